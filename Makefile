@@ -1,0 +1,30 @@
+# The README's commands: `make train` and `make test`. Both depend on `make setup`, which is idempotent.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -c constraints-cpu.txt
+STAMP  := $(VENV)/.setup-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup train test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py constraints-cpu.txt $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h csrc_build.py)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) -q --upgrade pip setuptools wheel
+	$(PIP) -q torch==2.13.0
+	$(PIP) -q -e '.[test]' --no-build-isolation
+	touch $(STAMP)
+
+train: setup
+	$(VENV)/bin/megatron-ppo train --config configs/tiny_cpu.yaml $(ARGS)
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf build *.egg-info megatron_ppo/*.so
