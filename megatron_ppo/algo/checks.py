@@ -1,0 +1,141 @@
+"""Cheap input checks shared by the algo modules.
+
+Two kinds of check:
+- metadata checks (type, shape, dtype): free, always on;
+- value checks (NaN/inf at valid positions, 0/1 masks): one reduction per tensor and, on a GPU, one host sync
+  when the result is read. They are on by default; set ``MEGATRON_PPO_ALGO_VALUE_CHECKS=0`` (or call
+  ``set_value_checks(False)``) to turn them off in a run that has already been validated.
+
+Every failure is a ``ValueError`` whose message starts with the argument's name.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import os
+from collections.abc import Sequence
+
+import torch
+
+_VALUE_CHECKS = os.environ.get("MEGATRON_PPO_ALGO_VALUE_CHECKS", "1") != "0"
+
+
+def set_value_checks(enabled: bool) -> bool:
+    """Turn the data-dependent checks on or off; returns the previous setting."""
+    global _VALUE_CHECKS
+    previous, _VALUE_CHECKS = _VALUE_CHECKS, bool(enabled)
+    return previous
+
+
+def value_checks_enabled() -> bool:
+    return _VALUE_CHECKS
+
+
+def float_tensor(x, name: str, ndim: int | None = None, min_ndim: int | None = None) -> torch.Tensor:
+    """A floating-point tensor, optionally of a given rank."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+    if min_ndim is not None and x.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(x.shape)}")
+    return x
+
+
+def same_shape(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if x.shape != ref.shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)} but {ref_name} has shape {tuple(ref.shape)}")
+
+
+def float_like(x, name: str, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
+    """A floating tensor with exactly ``ref``'s shape."""
+    float_tensor(x, name)
+    same_shape(name, x, ref_name, ref)
+    return x
+
+
+def mask(m, name: str, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
+    """A 0/1 mask (bool, integer or floating dtype) shaped like ``ref``; returned as bool.
+
+    Float/int masks holding anything but 0 and 1 (weights, NaN, attention masks with 2s) are rejected:
+    masks select tokens here, weighting is what ``rollout_is_weights`` is for.
+    """
+    if not isinstance(m, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(m).__name__}")
+    if m.dtype != torch.bool and (m.is_complex() or not (m.is_floating_point() or _is_integer(m.dtype))):
+        raise ValueError(f"{name} must be a bool, integer or floating 0/1 mask, got dtype {m.dtype}")
+    same_shape(name, m, ref_name, ref)
+    if m.dtype == torch.bool:
+        return m
+    if _VALUE_CHECKS and bool(((m != 0) & (m != 1)).any()):
+        raise ValueError(f"{name} must contain only 0 and 1 (got other values such as {_first_bad(m)})")
+    return m != 0
+
+
+def finite(x: torch.Tensor, name: str, valid: torch.Tensor | None = None) -> None:
+    """No NaN/inf in ``x`` where ``valid`` (bool) is True (everywhere when ``valid`` is None)."""
+    if not _VALUE_CHECKS:
+        return
+    bad = ~torch.isfinite(x.detach())
+    if valid is not None:
+        bad &= valid
+    if bool(bad.any()):
+        where = "at valid (mask=1) positions" if valid is not None else ""
+        raise ValueError(f"{name} has {int(bad.sum())} NaN/inf values {where}".rstrip())
+
+
+def nonnegative(x: torch.Tensor, name: str, valid: torch.Tensor | None = None) -> None:
+    if not _VALUE_CHECKS:
+        return
+    bad = x.detach() < 0
+    if valid is not None:
+        bad &= valid
+    if bool(bad.any()):
+        raise ValueError(f"{name} has {int(bad.sum())} negative values")
+
+
+def real_number(value, name: str, *, low: float | None = None, high: float | None = None,
+                low_inclusive: bool = True, high_inclusive: bool = True, allow_inf: bool = False) -> float:
+    """A Python/numpy/0-dim-tensor real number inside the given bounds, returned as float."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got bool {value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if math.isnan(v) or (math.isinf(v) and not allow_inf):
+        raise ValueError(f"{name} must be finite, got {v}")
+    if low is not None and (v < low or (v == low and not low_inclusive)):
+        raise ValueError(f"{name} must be {'>=' if low_inclusive else '>'} {low}, got {v}")
+    if high is not None and (v > high or (v == high and not high_inclusive)):
+        raise ValueError(f"{name} must be {'<=' if high_inclusive else '<'} {high}, got {v}")
+    return v
+
+
+def integer(value, name: str, *, low: int | None = None) -> int:
+    """A Python/numpy integer or a one-element integer tensor, at least ``low``."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    v = operator.index(value)
+    if low is not None and v < low:
+        raise ValueError(f"{name} must be >= {low}, got {v}")
+    return v
+
+
+def choice(value, name: str, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    return value
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _first_bad(m: torch.Tensor):
+    bad = m[(m != 0) & (m != 1)]
+    return bad.flatten()[0].item()
