@@ -1,0 +1,473 @@
+"""Typed PPO configuration: nested dataclasses, YAML files, dotted CLI overrides, validation with clear errors.
+
+Key names follow verl 0.9.1 wherever the concept is the same (`actor.clip_ratio`, `algorithm.kl_ctrl.kl_coef`,
+`data.train_batch_size`, ...). Sections: data, actor, critic, ref, reward, rollout, algorithm, trainer, cluster.
+
+    cfg = load_config("tiny_cpu", ["actor.clip_ratio=0.3", "algorithm.kl_ctrl.type=adaptive"])
+
+`load_config` = read YAML -> apply overrides -> build (unknown keys, types) -> validate (values, cross-key rules);
+every problem raises one `ConfigError` whose message names the full dotted key (see docs/config.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from .config_io import ConfigError, apply_overrides, field, from_dict, reference_table, to_dict, yaml_dump, yaml_load
+
+__all__ = ["ConfigError", "PPOConfig", "load_config", "from_dict", "to_dict", "to_yaml", "save_config",
+           "config_from_dict", "CONFIG_DIR", "KL_TYPES", "LOGGERS", "ROLLOUT_RS_OPTIONS"]
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"]
+KL_TYPES = KLType.__args__  # k1/abs/k2/k3 by verl's names and aliases; "+" = straight-through k2 gradient
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+Logger = Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]
+LOGGERS = Logger.__args__
+ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                      "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+@dataclass
+class PreprocessConfig:
+    dataset: Optional[Literal["gsm8k"]] = field(None, "raw dataset converted by `megatron-ppo preprocess` when "
+                                                "data.train_files do not exist yet; null: off", None)
+    input_dir: Optional[str] = field(None, "raw files (gsm8k: train.jsonl, test.jsonl)", None)
+    output_dir: Optional[str] = field(None, "where the verl-schema parquet files are written", None)
+    build_tokenizer: bool = field(False, "build a byte-level BPE tokenizer from the raw text into "
+                                  "actor.model.tokenizer_path if it does not exist", None)
+    tokenizer_vocab_size: int = field(2048, "vocabulary size of the built tokenizer", None)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field([], "verl-schema prompt parquet file(s); a single path is accepted")
+    val_files: list[str] = field([], "validation parquet file(s)")
+    prompt_key: str = field("prompt", "column holding the chat-format prompt")
+    reward_fn_key: str = field("data_source", "column that selects the reward function")
+    max_prompt_length: int = field(512, "prompt token budget (see filter_overlong_prompts / truncation)")
+    max_response_length: int = field(512, "generated tokens per response")
+    train_batch_size: int = field(1024, "prompts per PPO step")
+    val_batch_size: Optional[int] = field(None, "prompts per validation batch; null: the whole set at once")
+    train_max_samples: int = field(-1, "use only the first N training prompts; -1: all")
+    val_max_samples: int = field(-1, "use only the first N validation prompts; -1: all")
+    shuffle: bool = field(True, "shuffle training prompts each epoch")
+    seed: int = field(42, "seed of the (resumable) prompt sampler")
+    filter_overlong_prompts: bool = field(False, "drop prompts longer than max_prompt_length (counted, logged)")
+    truncation: Literal["error", "left", "right"] = field("error", "overlong prompts when not filtered: "
+                                                          "error, or cut tokens from the left/right")
+    preprocess: PreprocessConfig = field(PreprocessConfig, "")
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+@dataclass
+class ArchConfig:
+    """An inline architecture (random init), the fields of `megatron_ppo.models.arch.ModelArch`."""
+
+    num_layers: int = field(2, "transformer layers", "num_hidden_layers")
+    hidden_size: int = field(64, "model width")
+    ffn_hidden_size: int = field(256, "SwiGLU inner width", "intermediate_size")
+    num_attention_heads: int = field(4, "attention heads")
+    num_query_groups: int = field(4, "KV heads (GQA); = num_attention_heads for MHA", "num_key_value_heads")
+    vocab_size: Optional[int] = field(None, "null: the tokenizer's size")
+    max_position_embeddings: int = field(2048, "longest sequence")
+    rotary_base: float = field(10000.0, "RoPE base", "rope_theta")
+    rope_scaling: Optional[dict[str, Any]] = field(None, "HF-style rope_scaling mapping (llama3, linear, ...)")
+    norm_epsilon: float = field(1e-6, "RMSNorm epsilon", "rms_norm_eps")
+    add_qkv_bias: bool = field(False, "QKV bias (Qwen2)", None)
+    tie_word_embeddings: bool = field(False, "share input embedding and LM head")
+    normalization: Literal["RMSNorm"] = field("RMSNorm", "norm type (Llama/Qwen2)", None)
+    activation: Literal["swiglu"] = field("swiglu", "MLP activation (Llama/Qwen2)", "hidden_act")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = field(None, "HF model directory (architecture from its config.json); "
+                                "for critic/ref/reward null means: the actor's weights")
+    arch: Optional[ArchConfig] = field(None, "inline architecture with random init (instead of path)", None)
+    tokenizer_path: Optional[str] = field(None, "HF tokenizer directory; null: path")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        "auto", "parameter dtype; auto: bfloat16 on GPU, float32 on CPU", "megatron.dtype")
+    recompute_granularity: Optional[Literal["full", "selective"]] = field(
+        None, "activation checkpointing; null: off", "megatron.override_transformer_config.recompute_granularity")
+    recompute_method: Optional[Literal["uniform", "block"]] = field(
+        None, "required with recompute_granularity=full", "megatron.override_transformer_config.recompute_method")
+    recompute_num_layers: Optional[int] = field(
+        None, "required with recompute_granularity=full", "megatron.override_transformer_config.recompute_num_layers")
+
+
+@dataclass
+class OptimConfig:
+    optimizer: Literal["adam", "sgd"] = field("adam", "Megatron optimizer (adam = AdamW)")
+    lr: float = field(1e-6, "peak learning rate")
+    lr_warmup_steps: int = field(-1, "warmup steps; <= 0: use lr_warmup_steps_ratio")
+    lr_warmup_steps_ratio: float = field(0.0, "warmup as a fraction of the total training steps")
+    lr_warmup_init: float = field(0.0, "learning rate at the start of warmup")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = field("constant", "schedule after warmup")
+    lr_decay_steps: Optional[int] = field(None, "decay length; null: total training steps")
+    min_lr: float = field(0.0, "floor of linear/cosine decay")
+    weight_decay: float = field(0.01, "decoupled weight decay")
+    betas: list[float] = field([0.9, 0.999], "Adam betas")
+    clip_grad: float = field(1.0, "global gradient-norm clip; 0: off (verl FSDP: actor.grad_clip)")
+
+
+# ---------------------------------------------------------------------------------------------- roles
+
+@dataclass
+class ActorConfig:
+    model: ModelConfig = field(ModelConfig, "")
+    optim: OptimConfig = field(OptimConfig, "")
+    ppo_mini_batch_size: int = field(256, "prompts per optimizer step (x rollout.n sequences)")
+    ppo_micro_batch_size_per_gpu: Optional[int] = field(None, "sequences per forward; needed unless use_dynamic_bsz")
+    use_dynamic_bsz: bool = field(False, "micro-batches by token budget instead of a fixed count")
+    ppo_max_token_len_per_gpu: int = field(16384, "token budget per micro-batch with use_dynamic_bsz")
+    ppo_epochs: int = field(1, "passes over each rollout batch")
+    shuffle: bool = field(False, "reshuffle mini-batches between PPO epochs")
+    clip_ratio: float = field(0.2, "PPO clip epsilon")
+    clip_ratio_low: Optional[float] = field(None, "lower epsilon; null: clip_ratio")
+    clip_ratio_high: Optional[float] = field(None, "upper epsilon; null: clip_ratio")
+    clip_ratio_c: float = field(3.0, "dual-clip bound for negative advantages (> 1)")
+    loss_agg_mode: LossAggMode = field("token-mean", "how token losses are reduced")
+    loss_scale_factor: Optional[float] = field(None, "divisor for seq-mean-token-sum-norm; null: response length")
+    entropy_coeff: float = field(0.0, "entropy bonus coefficient")
+    entropy_from_logits_with_chunking: bool = field(False, "compute entropy in token chunks (bounded memory)")
+    entropy_from_logits_chunk_size: int = field(2048, "tokens per entropy chunk")
+    use_kl_loss: bool = field(False, "add a KL(actor || ref) term to the policy loss")
+    kl_loss_coef: float = field(0.001, "coefficient of the KL loss")
+    kl_loss_type: KLType = field("low_var_kl", "KL estimator of the KL loss")
+
+    def clip_bounds(self) -> tuple[float, float]:
+        """(low, high) epsilons: the asymmetric ones where set, else clip_ratio."""
+        low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+        return low, high
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = field(None, "null: on iff algorithm.adv_estimator=gae")
+    model: ModelConfig = field(ModelConfig, "")
+    optim: OptimConfig = field(lambda: OptimConfig(lr=1e-5), "")
+    ppo_mini_batch_size: int = field(256, "prompts per critic optimizer step (x rollout.n)")
+    ppo_micro_batch_size_per_gpu: Optional[int] = field(None, "sequences per forward; needed unless use_dynamic_bsz")
+    use_dynamic_bsz: bool = field(False, "micro-batches by token budget")
+    ppo_max_token_len_per_gpu: int = field(32768, "token budget per micro-batch with use_dynamic_bsz")
+    ppo_epochs: int = field(1, "passes over each rollout batch")
+    shuffle: bool = field(False, "reshuffle mini-batches between epochs")
+    cliprange_value: float = field(0.5, "value clip range around the old values")
+    loss_agg_mode: LossAggMode = field("token-mean", "how token value losses are reduced")
+
+
+@dataclass
+class RefConfig:
+    model: ModelConfig = field(ModelConfig, "null path/arch: a frozen copy of the actor's initial weights")
+    log_prob_micro_batch_size_per_gpu: Optional[int] = field(None, "sequences per forward; needed unless dynamic")
+    log_prob_use_dynamic_bsz: bool = field(False, "micro-batches by token budget")
+    log_prob_max_token_len_per_gpu: int = field(16384, "token budget per micro-batch")
+
+
+@dataclass
+class CustomRewardConfig:
+    path: Optional[str] = field(None, "Python file defining a reward function; null: built-in registry")
+    name: str = field("compute_score", "function name in that file")
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = field(False, "score responses with a reward model (value head at the last response token)")
+    model: ModelConfig = field(ModelConfig, "")
+    micro_batch_size_per_gpu: Optional[int] = field(None, "sequences per forward")
+
+
+@dataclass
+class RewardConfig:
+    method: Literal["strict", "numeric"] = field("strict", "GSM8K rule: strict `#### N` match, or numeric "
+                                                 "comparison (1,234 = 1234, 18.0 = 18)", None)
+    score: float = field(1.0, "reward of a correct answer", None)
+    format_score: float = field(0.0, "reward of a well-formatted wrong answer", None)
+    length_penalty_coef: float = field(0.0, "shaping: minus coef x response_length / max_response_length", None)
+    repetition_penalty_coef: float = field(0.0, "shaping: minus coef x repeated n-gram ratio", None)
+    repetition_ngram_size: int = field(3, "n of the repetition penalty's n-grams", None)
+    custom_reward_function: CustomRewardConfig = field(CustomRewardConfig, "")
+    reward_model: RewardModelConfig = field(RewardModelConfig, "")
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+
+@dataclass
+class SamplingConfig:
+    temperature: float = field(1.0, "sampling temperature")
+    top_p: float = field(1.0, "nucleus sampling mass")
+    top_k: int = field(-1, "top-k sampling; -1: off")
+    do_sample: bool = field(True, "sample; false: greedy")
+    n: int = field(1, "responses per prompt")
+
+
+@dataclass
+class RolloutConfig(SamplingConfig):
+    mode: Literal["online", "offline"] = field("online", "online: the actor generates; offline: replay "
+                                               "trajectory_files", None)
+    trajectory_files: list[str] = field([], "offline trajectory parquet file(s) (rollout.mode=offline)", None)
+    dump_dir: Optional[str] = field(None, "write each step's rollouts as trajectory parquet here", "trainer.rollout_data_dir")
+    log_prob_micro_batch_size_per_gpu: Optional[int] = field(None, "old-log-prob forward: sequences per forward")
+    log_prob_use_dynamic_bsz: bool = field(False, "old-log-prob forward by token budget")
+    log_prob_max_token_len_per_gpu: int = field(16384, "token budget per old-log-prob micro-batch")
+    val_kwargs: SamplingConfig = field(lambda: SamplingConfig(temperature=0.0, do_sample=False), "")
+
+
+# ---------------------------------------------------------------------------------------------- algorithm
+
+@dataclass
+class KLPhase:
+    until: float = field(help="this phase lasts until this fraction of total training steps", verl=None)
+    coef: float = field(help="KL coefficient during the phase", verl=None)
+
+
+@dataclass
+class KLCtrlConfig:
+    type: Literal["fixed", "adaptive", "phased"] = field("fixed", "in-reward KL coefficient controller")
+    kl_coef: float = field(0.001, "(initial) KL coefficient")
+    horizon: int = field(10000, "adaptive: steps over which the coefficient adapts")
+    target_kl: float = field(0.1, "adaptive: KL the controller steers to")
+    phases: list[KLPhase] = field([], "phased: [{until: 0.2, coef: 0.08}, ..., {until: 1.0, coef: ...}]", None)
+
+
+@dataclass
+class KLGuardConfig:
+    enable: bool = field(False, "skip an actor mini-batch update when its measured ppo_kl exceeds target_kl "
+                         "(counted as actor/kl_guard_skips)", None)
+    target_kl: float = field(0.1, "KL threshold of the guard", None)
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: Optional[Literal["token", "sequence"]] = field(None, "importance-sampling weight level; null: off")
+    rollout_is_threshold: float = field(2.0, "upper truncation of IS weights")
+    rollout_is_batch_normalize: bool = field(False, "normalise IS weights to mean 1 over the batch")
+    rollout_rs: Optional[str] = field(None, "rejection criteria, comma separated: " + ", ".join(ROLLOUT_RS_OPTIONS))
+    rollout_rs_threshold: Optional[Union[float, str]] = field(
+        None, "one bound per criterion (comma separated) or one shared; *_k1 takes 'lower_upper' or an upper "
+        "bound (lower = 1/upper), k2/k3 an upper bound")
+    bypass_mode: bool = field(False, "use behaviour log-probs as old log-probs (skip the recompute)")
+
+    def rs_options(self) -> list[str]:
+        return [o.strip() for o in (self.rollout_rs or "").split(",") if o.strip()]
+
+    def rs_bounds(self) -> dict[str, tuple[Optional[float], float]]:
+        """{criterion: (lower or None, upper)} parsed as verl does; raises ValueError on a malformed threshold."""
+        options = self.rs_options()
+        if not options:
+            return {}
+        spec = self.rollout_rs_threshold
+        if spec is None:
+            raise ValueError("a threshold is required when rejection sampling is on")
+        parts = [p.strip() for p in str(spec).split(",") if p.strip()]
+        if len(parts) not in (1, len(options)):
+            raise ValueError(f"{len(parts)} thresholds for {len(options)} criteria; give 1 or {len(options)}")
+        parts = parts * len(options) if len(parts) == 1 else parts
+        bounds = {}
+        for option, part in zip(options, parts):
+            if "_" in part and not option.endswith("k1"):
+                raise ValueError(f"{option} takes one upper bound, got {part!r}")
+            low_text, _, high_text = part.rpartition("_")
+            try:
+                high = float(high_text)
+                low = float(low_text) if low_text else (1.0 / high if option.endswith("k1") and high > 0 else None)
+            except ValueError:
+                raise ValueError(f"{option} bound {part!r} is not a number (or 'lower_upper' for *_k1)") from None
+            if high <= 0 or (low is not None and not 0 < low <= high):
+                raise ValueError(f"{option} bounds must be positive with lower <= upper, got {part!r}")
+            bounds[option] = (low, high)
+        return bounds
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["gae", "grpo"] = field("gae", "advantage estimator")
+    gamma: float = field(1.0, "discount")
+    lam: float = field(1.0, "GAE lambda")
+    norm_adv_by_std_in_grpo: bool = field(True, "GRPO: divide by the group's reward std")
+    use_kl_in_reward: bool = field(False, "subtract kl_ctrl coef x KL(actor || ref) from token rewards")
+    kl_penalty: KLType = field("kl", "KL estimator of the in-reward penalty")
+    kl_ctrl: KLCtrlConfig = field(KLCtrlConfig, "")
+    kl_guard: KLGuardConfig = field(KLGuardConfig, "")
+    rollout_correction: RolloutCorrectionConfig = field(RolloutCorrectionConfig, "")
+
+
+# ---------------------------------------------------------------------------------------------- trainer, cluster
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = field(30, "passes over the training prompts")
+    total_training_steps: Optional[int] = field(None, "stop after this many PPO steps; null: from total_epochs")
+    critic_warmup: int = field(0, "steps that update only the critic")
+    save_freq: int = field(-1, "checkpoint every N steps; -1: only at the end")
+    test_freq: int = field(-1, "validate every N steps; -1: off")
+    val_before_train: bool = field(True, "validate once before the first step")
+    log_val_generations: int = field(0, "validation generations written to the logs")
+    balance_batch: bool = field(True, "balance tokens across data-parallel ranks")
+    seed: int = field(42, "seed of model init, dropout and sampling", "actor_rollout_ref.actor.megatron.seed")
+    project_name: str = field("megatron_ppo", "tracking project")
+    experiment_name: str = field("default", "tracking run name")
+    logger: list[Logger] = field(["console", "jsonl"], "metric sinks: " + ", ".join(LOGGERS))
+    log_dir: str = field("logs/{project_name}/{experiment_name}", "jsonl/tensorboard output; "
+                         "{project_name} and {experiment_name} are filled in", None)
+    default_local_dir: str = field("checkpoints/{project_name}/{experiment_name}", "checkpoint directory "
+                                   "(same placeholders)")
+    resume_mode: Literal["auto", "disable", "resume_path"] = field("auto", "auto: latest checkpoint in "
+                                                                   "default_local_dir if any")
+    resume_from_path: Optional[str] = field(None, "checkpoint for resume_mode=resume_path")
+    max_actor_ckpt_to_keep: Optional[int] = field(None, "keep only the newest N actor checkpoints; null: all")
+    max_critic_ckpt_to_keep: Optional[int] = field(None, "keep only the newest N critic checkpoints; null: all")
+
+    def expand(self, path: str) -> str:
+        """Fill {project_name} / {experiment_name} in log_dir or default_local_dir."""
+        return path.format(project_name=self.project_name, experiment_name=self.experiment_name)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = field(1, "tensor-parallel ranks")
+    pipeline_model_parallel_size: int = field(1, "pipeline stages")
+    sequence_parallel: bool = field(False, "Megatron sequence parallelism (needs tensor_model_parallel_size > 1)")
+    use_distributed_optimizer: bool = field(True, "shard optimizer state over data-parallel ranks")
+
+
+@dataclass
+class ClusterConfig:
+    nnodes: int = field(1, "nodes", "trainer.nnodes")
+    n_gpus_per_node: int = field(8, "ranks per node (GPUs; processes on CPU)", "trainer.n_gpus_per_node")
+    device: Literal["auto", "cuda", "cpu"] = field("auto", "auto: cuda when available", "trainer.device")
+    actor: ParallelConfig = field(ParallelConfig, "")
+    critic: ParallelConfig = field(ParallelConfig, "")
+    ref: ParallelConfig = field(ParallelConfig, "")
+    reward: ParallelConfig = field(ParallelConfig, "")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.n_gpus_per_node
+
+
+# ---------------------------------------------------------------------------------------------- top level
+
+@dataclass
+class PPOConfig:
+    data: DataConfig = field(DataConfig, "")
+    actor: ActorConfig = field(ActorConfig, "")
+    critic: CriticConfig = field(CriticConfig, "")
+    ref: RefConfig = field(RefConfig, "")
+    reward: RewardConfig = field(RewardConfig, "")
+    rollout: RolloutConfig = field(RolloutConfig, "")
+    algorithm: AlgorithmConfig = field(AlgorithmConfig, "")
+    trainer: TrainerConfig = field(TrainerConfig, "")
+    cluster: ClusterConfig = field(ClusterConfig, "")
+
+    @property
+    def use_critic(self) -> bool:
+        return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def model_for(self, role: Literal["actor", "critic", "ref", "reward"]) -> ModelConfig:
+        """The role's model config; a critic/ref without path and arch takes the actor's weights source."""
+        own = {"actor": self.actor.model, "critic": self.critic.model, "ref": self.ref.model,
+               "reward": self.reward.reward_model.model}[role]
+        if role in ("actor", "reward") or own.path is not None or own.arch is not None:
+            return own
+        base = self.actor.model
+        return ModelConfig(path=base.path, arch=base.arch, tokenizer_path=own.tokenizer_path or base.tokenizer_path,
+                           dtype=own.dtype, recompute_granularity=own.recompute_granularity,
+                           recompute_method=own.recompute_method, recompute_num_layers=own.recompute_num_layers)
+
+    def tokenizer_path(self) -> Optional[str]:
+        return self.actor.model.tokenizer_path or self.actor.model.path
+
+
+# verl's section for each of ours (docs table) and verl spellings that we accept nowhere but recognise in errors.
+VERL_SECTIONS = {
+    "data": "data", "data.preprocess": None,
+    "actor": "actor_rollout_ref.actor", "actor.optim": "actor_rollout_ref.actor.optim",
+    "actor.model": "actor_rollout_ref.model", "actor.model.arch": "hf_config",
+    "critic": "critic", "critic.optim": "critic.optim", "critic.model": "critic.model",
+    "critic.model.arch": "hf_config",
+    "ref": "actor_rollout_ref.ref", "ref.model": "actor_rollout_ref.model", "ref.model.arch": "hf_config",
+    "reward": "reward", "reward.custom_reward_function": "custom_reward_function",
+    "reward.reward_model": "reward_model", "reward.reward_model.model": "reward_model.model",
+    "reward.reward_model.model.arch": "hf_config",
+    "rollout": "actor_rollout_ref.rollout", "rollout.val_kwargs": "actor_rollout_ref.rollout.val_kwargs",
+    "algorithm": "algorithm", "algorithm.kl_ctrl": "algorithm.kl_ctrl", "algorithm.kl_guard": None,
+    "algorithm.rollout_correction": "algorithm.rollout_correction",
+    "trainer": "trainer", "cluster": "trainer",
+    **{f"cluster.{r}": f"{v}.megatron" for r, v in
+       [("actor", "actor_rollout_ref.actor"), ("critic", "critic"), ("ref", "actor_rollout_ref.ref"),
+        ("reward", "reward_model")]},
+}
+VERL_RENAMES = [
+    ("actor_rollout_ref.actor.megatron", "cluster.actor"), ("actor_rollout_ref.ref.megatron", "cluster.ref"),
+    ("critic.megatron", "cluster.critic"), ("actor.megatron", "cluster.actor"), ("ref.megatron", "cluster.ref"),
+    ("actor_rollout_ref.model", "actor.model"), ("actor_rollout_ref", ""), ("actor.grad_clip", "actor.optim.clip_grad"),
+    ("critic.grad_clip", "critic.optim.clip_grad"), ("data.tokenizer", "actor.model.tokenizer_path"),
+    ("trainer.nnodes", "cluster.nnodes"), ("trainer.n_gpus_per_node", "cluster.n_gpus_per_node"),
+    ("trainer.device", "cluster.device"), ("trainer.rollout_data_dir", "rollout.dump_dir"),
+    ("reward_model", "reward.reward_model"), ("custom_reward_function", "reward.custom_reward_function"),
+    ("actor.optim.lr_scheduler_type", "actor.optim.lr_decay_style"),
+    ("critic.optim.lr_scheduler_type", "critic.optim.lr_decay_style"),
+]
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+def resolve_config_path(path_or_name: str | Path) -> Path:
+    """A file path, or a bare name like "tiny_cpu" that names configs/<name>.yaml in the repository."""
+    path = Path(path_or_name)
+    if path.suffix in (".yaml", ".yml") or path.exists() or len(path.parts) > 1:
+        if not path.is_file():
+            raise ConfigError([f"config file {str(path)!r} does not exist"])
+        return path
+    candidate = CONFIG_DIR / f"{path_or_name}.yaml"
+    if not candidate.is_file():
+        names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError([f"no config named {str(path_or_name)!r}; shipped configs: {', '.join(names)}"])
+    return candidate
+
+
+def config_from_dict(data: Any, overrides: list[str] = (), source: str | None = None) -> PPOConfig:
+    """Plain data (as from YAML) + overrides -> validated PPOConfig."""
+    from .config_checks import validate  # local import: config_checks imports this module's types
+
+    data = apply_overrides(data or {}, list(overrides), PPOConfig, VERL_RENAMES, source)
+    cfg = from_dict(PPOConfig, data, VERL_RENAMES, source)
+    validate(cfg, source)
+    return cfg
+
+
+def load_config(path_or_name: str | Path = "tiny_cpu", overrides: list[str] = ()) -> PPOConfig:
+    """Read a YAML config (file path or shipped name), apply `a.b=value` overrides, build and validate."""
+    path = resolve_config_path(path_or_name)
+    source = str(path) + (f" + {len(overrides)} override(s)" if overrides else "")
+    try:
+        data = yaml_load(path.read_text())
+    except Exception as exc:  # yaml.YAMLError or a decode error: name the file
+        raise ConfigError([f"cannot parse YAML: {exc}"], str(path)) from exc
+    return config_from_dict(data, overrides, source)
+
+
+def to_yaml(cfg: PPOConfig) -> str:
+    return yaml_dump(to_dict(cfg))
+
+
+def save_config(cfg: PPOConfig, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(to_yaml(cfg))
+
+
+def reference_markdown() -> str:
+    """The key table of docs/config.md, generated from the schema (a test keeps the docs in sync)."""
+    return reference_table(PPOConfig, VERL_SECTIONS)

@@ -1,0 +1,356 @@
+"""Value and cross-key rules of the PPO config: everything a type hint cannot say.
+
+Each rule names the full dotted key, the value it saw and what is allowed. A setting that would be silently
+ignored (a threshold without its switch, phases for a non-phased controller) is an error too.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .config import (ROLLOUT_RS_OPTIONS, ArchConfig, ModelConfig, OptimConfig, PPOConfig, RolloutConfig,
+                     SamplingConfig)
+from .config_io import ConfigError
+
+
+class _Errors(list):
+    def check(self, ok: bool, key: str, message: str) -> None:
+        if not ok:
+            self.append(f"{key}: {message}")
+
+    def positive(self, key: str, value: Optional[float], allow_none: bool = False) -> None:
+        if value is None and allow_none:
+            return
+        self.check(value is not None and value > 0, key, f"must be > 0, got {value}")
+
+    def non_negative(self, key: str, value: float) -> None:
+        self.check(value >= 0, key, f"must be >= 0, got {value}")
+
+    def unit_interval(self, key: str, value: float) -> None:
+        self.check(0.0 <= value <= 1.0, key, f"must be in [0, 1], got {value}")
+
+    def minus_one_or_positive(self, key: str, value: int, meaning: str) -> None:
+        self.check(value == -1 or value >= 1, key, f"must be -1 ({meaning}) or >= 1, got {value}")
+
+
+def validate(cfg: PPOConfig, source: Optional[str] = None) -> None:
+    """Raise ConfigError listing every broken rule; return None for a valid config."""
+    errs = _Errors()
+    _data(cfg, errs)
+    _models(cfg, errs)
+    _batches(cfg, errs)
+    _actor(cfg, errs)
+    _critic(cfg, errs)
+    _reward(cfg, errs)
+    _rollout(cfg, errs)
+    _algorithm(cfg, errs)
+    _trainer(cfg, errs)
+    _cluster(cfg, errs)
+    if errs:
+        raise ConfigError(list(dict.fromkeys(errs)), source)  # same rule hit twice (shared arch): once
+
+
+def _data(cfg: PPOConfig, errs: _Errors) -> None:
+    d = cfg.data
+    for key in ("max_prompt_length", "max_response_length", "train_batch_size"):
+        errs.positive(f"data.{key}", getattr(d, key))
+    errs.positive("data.val_batch_size", d.val_batch_size, allow_none=True)
+    errs.minus_one_or_positive("data.train_max_samples", d.train_max_samples, "all")
+    errs.minus_one_or_positive("data.val_max_samples", d.val_max_samples, "all")
+    errs.check(bool(d.prompt_key), "data.prompt_key", "must be a column name, got an empty string")
+    errs.check(bool(d.reward_fn_key), "data.reward_fn_key", "must be a column name, got an empty string")
+    for key in ("train_files", "val_files"):
+        for i, path in enumerate(getattr(d, key)):
+            errs.check(bool(path.strip()), f"data.{key}[{i}]", "must be a file path, got an empty string")
+    if cfg.rollout.mode == "online":
+        errs.check(bool(d.train_files), "data.train_files", "required when rollout.mode=online "
+                   "(one or more verl-schema prompt parquet files)")
+    p = d.preprocess
+    if p.dataset is not None:
+        errs.check(p.input_dir is not None, "data.preprocess.input_dir", f"required with data.preprocess.dataset="
+                   f"{p.dataset}")
+        errs.check(p.output_dir is not None, "data.preprocess.output_dir", f"required with "
+                   f"data.preprocess.dataset={p.dataset}")
+    if p.build_tokenizer:
+        errs.check(cfg.actor.model.tokenizer_path is not None, "actor.model.tokenizer_path",
+                   "required with data.preprocess.build_tokenizer=true (where the tokenizer is written)")
+    errs.check(p.tokenizer_vocab_size >= 256, "data.preprocess.tokenizer_vocab_size",
+               f"must be >= 256 (the byte alphabet), got {p.tokenizer_vocab_size}")
+
+
+def _models(cfg: PPOConfig, errs: _Errors) -> None:
+    roles = {"actor.model": ("actor", cfg.actor.model), "critic.model": ("critic", cfg.critic.model),
+             "ref.model": ("ref", cfg.ref.model), "reward.reward_model.model": ("reward", cfg.reward.reward_model.model)}
+    for key, (role, model) in roles.items():
+        errs.check(not (model.path and model.arch), key, "set either path (HF directory) or arch (inline "
+                   "architecture), not both")
+        _recompute(key, model, errs)
+        arch = cfg.model_for(role).arch  # a critic/ref without its own weights runs the actor's architecture
+        if arch is not None:
+            owner = key if model.arch is not None else "actor.model"
+            _arch(f"{owner}.arch", arch, getattr(cfg.cluster, role), f"cluster.{role}", cfg, errs)
+    errs.check(bool(cfg.actor.model.path or cfg.actor.model.arch), "actor.model",
+               "set path (HF model directory) or arch (inline architecture)")
+    if cfg.actor.model.arch is not None and not cfg.actor.model.path:
+        errs.check(cfg.actor.model.tokenizer_path is not None, "actor.model.tokenizer_path",
+                   "required when actor.model.arch is inline (there is no HF directory to read a tokenizer from)")
+    rm = cfg.reward.reward_model
+    if rm.enable:
+        errs.check(bool(rm.model.path or rm.model.arch), "reward.reward_model.model",
+                   "set path or arch when reward.reward_model.enable=true")
+    errs.positive("reward.reward_model.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu, allow_none=True)
+
+
+def _recompute(key: str, model: ModelConfig, errs: _Errors) -> None:
+    if model.recompute_granularity == "full":
+        errs.check(model.recompute_method is not None, f"{key}.recompute_method",
+                   "required with recompute_granularity=full; one of ['uniform', 'block']")
+        errs.check(model.recompute_num_layers is not None and model.recompute_num_layers >= 1,
+                   f"{key}.recompute_num_layers", f"must be >= 1 with recompute_granularity=full, "
+                   f"got {model.recompute_num_layers}")
+    else:
+        for name in ("recompute_method", "recompute_num_layers"):
+            errs.check(getattr(model, name) is None, f"{key}.{name}",
+                       f"only used with recompute_granularity=full (it is {model.recompute_granularity}); set null")
+
+
+def _arch(key: str, arch: ArchConfig, parallel, parallel_key: str, cfg: PPOConfig, errs: _Errors) -> None:
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "max_position_embeddings"):
+        errs.positive(f"{key}.{name}", getattr(arch, name))
+    errs.positive(f"{key}.vocab_size", arch.vocab_size, allow_none=True)
+    errs.positive(f"{key}.rotary_base", arch.rotary_base)
+    errs.positive(f"{key}.norm_epsilon", arch.norm_epsilon)
+    if arch.num_attention_heads > 0 and arch.num_query_groups > 0:
+        errs.check(arch.hidden_size % arch.num_attention_heads == 0, f"{key}.hidden_size",
+                   f"must be divisible by num_attention_heads ({arch.num_attention_heads}), got {arch.hidden_size}")
+        errs.check(arch.num_attention_heads % arch.num_query_groups == 0, f"{key}.num_query_groups",
+                   f"must divide num_attention_heads ({arch.num_attention_heads}), got {arch.num_query_groups}")
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    errs.check(arch.max_position_embeddings >= seq, f"{key}.max_position_embeddings",
+               f"must be >= data.max_prompt_length + data.max_response_length ({seq}), "
+               f"got {arch.max_position_embeddings}")
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if tp >= 1 and pp >= 1:
+        for name in ("num_attention_heads", "num_query_groups"):
+            errs.check(getattr(arch, name) % tp == 0, f"{key}.{name}", f"must be divisible by "
+                       f"{parallel_key}.tensor_model_parallel_size ({tp}), got {getattr(arch, name)}")
+        errs.check(arch.num_layers % pp == 0, f"{key}.num_layers", f"must be divisible by "
+                   f"{parallel_key}.pipeline_model_parallel_size ({pp}), got {arch.num_layers}")
+
+
+def _optim(key: str, o: OptimConfig, errs: _Errors) -> None:
+    errs.non_negative(f"{key}.lr", o.lr)
+    errs.non_negative(f"{key}.min_lr", o.min_lr)
+    errs.check(o.min_lr <= o.lr or o.lr_decay_style == "constant", f"{key}.min_lr",
+               f"must be <= {key}.lr ({o.lr}), got {o.min_lr}")
+    errs.non_negative(f"{key}.lr_warmup_init", o.lr_warmup_init)
+    errs.unit_interval(f"{key}.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio)
+    errs.positive(f"{key}.lr_decay_steps", o.lr_decay_steps, allow_none=True)
+    errs.non_negative(f"{key}.weight_decay", o.weight_decay)
+    errs.non_negative(f"{key}.clip_grad", o.clip_grad)
+    errs.check(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas), f"{key}.betas",
+               f"must be two numbers in [0, 1), got {o.betas}")
+
+
+def _data_parallel(cfg: PPOConfig, role: str) -> Optional[int]:
+    p = getattr(cfg.cluster, role)
+    shard = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    if shard < 1 or cfg.cluster.world_size < 1 or cfg.cluster.world_size % shard:
+        return None  # reported by _cluster
+    return cfg.cluster.world_size // shard
+
+
+def _micro_batches(key: str, role: str, mini: int, micro: Optional[int], dynamic: bool, max_tokens: int,
+                   micro_name: str, tokens_name: str, cfg: PPOConfig, errs: _Errors) -> None:
+    """mini prompts x rollout.n sequences split over the role's data-parallel ranks, then into micro-batches."""
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if dynamic:
+        errs.check(max_tokens >= seq, f"{key}.{tokens_name}", f"must hold one full sequence: >= "
+                   f"data.max_prompt_length + data.max_response_length ({seq}), got {max_tokens}")
+        return
+    if micro is None:
+        errs.append(f"{key}.{micro_name}: required unless use_dynamic_bsz is true")
+        return
+    errs.positive(f"{key}.{micro_name}", micro)
+    dp = _data_parallel(cfg, role)
+    if mini is None or mini < 1 or micro < 1 or dp is None:
+        return
+    sequences = mini * cfg.rollout.n
+    if sequences % dp:
+        errs.append(f"{key}.ppo_mini_batch_size: {mini} prompts x rollout.n {cfg.rollout.n} = {sequences} "
+                    f"sequences must split evenly over {dp} data-parallel ranks")
+    elif (sequences // dp) % micro:
+        errs.append(f"{key}.{micro_name}: must divide the per-rank mini-batch ({sequences // dp} sequences), "
+                    f"got {micro}")
+
+
+def _batches(cfg: PPOConfig, errs: _Errors) -> None:
+    roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.use_critic else [])
+    for key, role in roles:
+        errs.positive(f"{key}.ppo_mini_batch_size", role.ppo_mini_batch_size)
+        errs.positive(f"{key}.ppo_epochs", role.ppo_epochs)
+        if role.ppo_mini_batch_size >= 1:
+            errs.check(cfg.data.train_batch_size % role.ppo_mini_batch_size == 0, f"{key}.ppo_mini_batch_size",
+                       f"must divide data.train_batch_size ({cfg.data.train_batch_size}), "
+                       f"got {role.ppo_mini_batch_size}")
+        _micro_batches(key, key, role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu, role.use_dynamic_bsz,
+                       role.ppo_max_token_len_per_gpu, "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu",
+                       cfg, errs)
+    forward_only = [("rollout", "actor", cfg.rollout)] + ([("ref", "ref", cfg.ref)] if cfg.use_reference else [])
+    for key, role, c in forward_only:
+        _micro_batches(key, role, None, c.log_prob_micro_batch_size_per_gpu, c.log_prob_use_dynamic_bsz,
+                       c.log_prob_max_token_len_per_gpu, "log_prob_micro_batch_size_per_gpu",
+                       "log_prob_max_token_len_per_gpu", cfg, errs)
+
+
+def _actor(cfg: PPOConfig, errs: _Errors) -> None:
+    a = cfg.actor
+    _optim("actor.optim", a.optim, errs)
+    errs.check(0 < a.clip_ratio < 1, "actor.clip_ratio", f"must be in (0, 1), got {a.clip_ratio}")
+    if a.clip_ratio_low is not None:
+        errs.check(0 < a.clip_ratio_low < 1, "actor.clip_ratio_low", f"must be in (0, 1), got {a.clip_ratio_low}")
+    errs.positive("actor.clip_ratio_high", a.clip_ratio_high, allow_none=True)
+    errs.check(a.clip_ratio_c > 1.0, "actor.clip_ratio_c", f"must be > 1.0 (dual-clip bound on the ratio for "
+               f"negative advantages), got {a.clip_ratio_c}")
+    errs.positive("actor.loss_scale_factor", a.loss_scale_factor, allow_none=True)
+    errs.check(a.loss_scale_factor is None or a.loss_agg_mode == "seq-mean-token-sum-norm",
+               "actor.loss_scale_factor", f"only used with loss_agg_mode=seq-mean-token-sum-norm "
+               f"(it is {a.loss_agg_mode}); set null")
+    errs.non_negative("actor.entropy_coeff", a.entropy_coeff)
+    errs.positive("actor.entropy_from_logits_chunk_size", a.entropy_from_logits_chunk_size)
+    errs.non_negative("actor.kl_loss_coef", a.kl_loss_coef)
+
+
+def _critic(cfg: PPOConfig, errs: _Errors) -> None:
+    c = cfg.critic
+    errs.check(not (c.enable is False and cfg.algorithm.adv_estimator == "gae"), "critic.enable",
+               "must not be false with algorithm.adv_estimator=gae (GAE needs the critic's values)")
+    _optim("critic.optim", c.optim, errs)
+    errs.positive("critic.cliprange_value", c.cliprange_value)
+    errs.check(cfg.use_critic or cfg.trainer.critic_warmup == 0, "trainer.critic_warmup",
+               f"must be 0 without a critic (algorithm.adv_estimator={cfg.algorithm.adv_estimator}), "
+               f"got {cfg.trainer.critic_warmup}")
+
+
+def _reward(cfg: PPOConfig, errs: _Errors) -> None:
+    r = cfg.reward
+    errs.check(0 <= r.format_score <= r.score, "reward.format_score",
+               f"must be in [0, reward.score ({r.score})], got {r.format_score}")
+    errs.non_negative("reward.length_penalty_coef", r.length_penalty_coef)
+    errs.non_negative("reward.repetition_penalty_coef", r.repetition_penalty_coef)
+    errs.positive("reward.repetition_ngram_size", r.repetition_ngram_size)
+    errs.check(bool(r.custom_reward_function.name), "reward.custom_reward_function.name",
+               "must be a function name, got an empty string")
+
+
+def _sampling(key: str, s: SamplingConfig, errs: _Errors) -> None:
+    if s.do_sample:
+        errs.check(s.temperature > 0, f"{key}.temperature", f"must be > 0 when do_sample is true, got "
+                   f"{s.temperature}")
+    else:
+        errs.non_negative(f"{key}.temperature", s.temperature)
+    errs.check(0 < s.top_p <= 1, f"{key}.top_p", f"must be in (0, 1], got {s.top_p}")
+    errs.minus_one_or_positive(f"{key}.top_k", s.top_k, "off")
+    errs.positive(f"{key}.n", s.n)
+
+
+def _rollout(cfg: PPOConfig, errs: _Errors) -> None:
+    r: RolloutConfig = cfg.rollout
+    _sampling("rollout", r, errs)
+    _sampling("rollout.val_kwargs", r.val_kwargs, errs)
+    if r.mode == "offline":
+        errs.check(bool(r.trajectory_files), "rollout.trajectory_files", "required when rollout.mode=offline "
+                   "(one or more trajectory parquet files)")
+    else:
+        errs.check(not r.trajectory_files, "rollout.trajectory_files", "only read when rollout.mode=offline "
+                   "(it is online); remove them or set rollout.mode=offline")
+    if cfg.algorithm.adv_estimator == "grpo":
+        errs.check(r.n >= 2, "rollout.n", f"must be >= 2 with algorithm.adv_estimator=grpo (advantages are "
+                   f"relative to the group of responses), got {r.n}")
+
+
+def _algorithm(cfg: PPOConfig, errs: _Errors) -> None:
+    a = cfg.algorithm
+    errs.unit_interval("algorithm.gamma", a.gamma)
+    errs.unit_interval("algorithm.lam", a.lam)
+    k = a.kl_ctrl
+    errs.non_negative("algorithm.kl_ctrl.kl_coef", k.kl_coef)
+    errs.positive("algorithm.kl_ctrl.horizon", k.horizon)
+    errs.positive("algorithm.kl_ctrl.target_kl", k.target_kl)
+    if k.type != "phased":
+        errs.check(not k.phases, "algorithm.kl_ctrl.phases", f"only used with algorithm.kl_ctrl.type=phased "
+                   f"(it is {k.type}); remove them or set the type")
+    elif not k.phases:
+        errs.append("algorithm.kl_ctrl.phases: required with algorithm.kl_ctrl.type=phased, e.g. "
+                    "[{until: 0.2, coef: 0.08}, {until: 0.8, coef: 0.05}, {until: 1.0, coef: 0.06}]")
+    else:
+        previous = 0.0
+        for i, phase in enumerate(k.phases):
+            errs.check(previous < phase.until <= 1.0, f"algorithm.kl_ctrl.phases[{i}].until",
+                       f"must increase strictly within (0, 1]: previous {previous}, got {phase.until}")
+            errs.non_negative(f"algorithm.kl_ctrl.phases[{i}].coef", phase.coef)
+            previous = max(previous, phase.until)
+        errs.check(k.phases[-1].until == 1.0, f"algorithm.kl_ctrl.phases[{len(k.phases) - 1}].until",
+                   f"the last phase must end at 1.0 (the end of training), got {k.phases[-1].until}")
+    errs.positive("algorithm.kl_guard.target_kl", a.kl_guard.target_kl)
+    rc = a.rollout_correction
+    errs.positive("algorithm.rollout_correction.rollout_is_threshold", rc.rollout_is_threshold)
+    errs.check(rc.rollout_is is not None or not rc.rollout_is_batch_normalize,
+               "algorithm.rollout_correction.rollout_is_batch_normalize",
+               "only used when algorithm.rollout_correction.rollout_is is token or sequence (it is null)")
+    if rc.rollout_rs is None:
+        errs.check(rc.rollout_rs_threshold is None, "algorithm.rollout_correction.rollout_rs_threshold",
+                   "only used when algorithm.rollout_correction.rollout_rs is set (it is null)")
+        return
+    options = rc.rs_options()
+    bad = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
+    errs.check(bool(options) and not bad, "algorithm.rollout_correction.rollout_rs",
+               f"must be comma-separated criteria from {list(ROLLOUT_RS_OPTIONS)}, got {rc.rollout_rs!r}")
+    if options and not bad:
+        try:
+            rc.rs_bounds()
+        except ValueError as exc:
+            errs.append(f"algorithm.rollout_correction.rollout_rs_threshold: {exc}")
+
+
+def _trainer(cfg: PPOConfig, errs: _Errors) -> None:
+    t = cfg.trainer
+    errs.positive("trainer.total_epochs", t.total_epochs)
+    errs.positive("trainer.total_training_steps", t.total_training_steps, allow_none=True)
+    errs.non_negative("trainer.critic_warmup", t.critic_warmup)
+    errs.minus_one_or_positive("trainer.save_freq", t.save_freq, "only at the end")
+    errs.minus_one_or_positive("trainer.test_freq", t.test_freq, "off")
+    errs.non_negative("trainer.log_val_generations", t.log_val_generations)
+    duplicates = sorted({x for x in t.logger if t.logger.count(x) > 1})
+    errs.check(not duplicates, "trainer.logger", f"lists {duplicates} more than once")
+    for key in ("log_dir", "default_local_dir"):
+        try:
+            t.expand(getattr(t, key))
+        except (KeyError, IndexError, ValueError) as exc:
+            errs.append(f"trainer.{key}: only {{project_name}} and {{experiment_name}} may appear in braces "
+                        f"({exc.__class__.__name__}: {exc})")
+    if t.resume_mode == "resume_path":
+        errs.check(bool(t.resume_from_path), "trainer.resume_from_path", "required with resume_mode=resume_path")
+    else:
+        errs.check(t.resume_from_path is None, "trainer.resume_from_path",
+                   f"only used with trainer.resume_mode=resume_path (it is {t.resume_mode})")
+    errs.positive("trainer.max_actor_ckpt_to_keep", t.max_actor_ckpt_to_keep, allow_none=True)
+    errs.positive("trainer.max_critic_ckpt_to_keep", t.max_critic_ckpt_to_keep, allow_none=True)
+
+
+def _cluster(cfg: PPOConfig, errs: _Errors) -> None:
+    c = cfg.cluster
+    errs.positive("cluster.nnodes", c.nnodes)
+    errs.positive("cluster.n_gpus_per_node", c.n_gpus_per_node)
+    for role in ("actor", "critic", "ref", "reward"):
+        p = getattr(c, role)
+        key = f"cluster.{role}"
+        errs.positive(f"{key}.tensor_model_parallel_size", p.tensor_model_parallel_size)
+        errs.positive(f"{key}.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
+        shard = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        if shard >= 1 and c.world_size >= 1:
+            errs.check(c.world_size % shard == 0, key, f"tensor_model_parallel_size x pipeline_model_parallel_size "
+                       f"= {shard} must divide the world size (cluster.nnodes x cluster.n_gpus_per_node = "
+                       f"{c.world_size})")
+        errs.check(not p.sequence_parallel or p.tensor_model_parallel_size > 1, f"{key}.sequence_parallel",
+                   "needs tensor_model_parallel_size > 1 (it is 1); set it false")

@@ -1,0 +1,359 @@
+"""Plumbing between typed config dataclasses and YAML / CLI text, kept apart from the schema in `config.py`.
+
+Building is strict: every key must be a declared field, every value must match the field's type hint (Literal
+values are the allowed set), and every error names the full dotted key. Errors are collected, not raised one by
+one, so a user fixing a config sees all problems at once.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import math
+import re
+import types
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+SAME = "<same>"  # field metadata: the verl key has the same name in the mapped verl section
+
+
+class ConfigError(ValueError):
+    """Every config problem: unknown key, wrong type, bad value. `errors` holds one line per problem."""
+
+    def __init__(self, errors: list[str], source: str | None = None):
+        self.errors = list(errors)
+        where = f" ({source})" if source else ""
+        if len(self.errors) == 1:
+            message = f"invalid config{where}: {self.errors[0]}"
+        else:
+            message = f"invalid config{where}, {len(self.errors)} problems:\n  - " + "\n  - ".join(self.errors)
+        super().__init__(message)
+
+
+def field(default: Any = dataclasses.MISSING, help: str = "", verl: str | None = SAME) -> Any:
+    """A dataclass field with its help text and its verl equivalent (None: no verl key) for the docs table.
+
+    Callables (classes, lambdas) and lists/dicts become default factories so that instances never share them.
+    """
+    meta = {"help": help, "verl": verl}
+    if callable(default):
+        return dataclasses.field(default_factory=default, metadata=meta)
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------------------------------------- YAML
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-6` / `3e4` as floats (YAML 1.1 wants `1.0e-6`; a classic lr gotcha)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader subclass
+
+
+def yaml_dump(data: Any) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+# ---------------------------------------------------------------------------------------------- schema walking
+
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    """Optional[X] -> X; anything else unchanged."""
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def schema_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a dataclass tree (sections included), for suggestions."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        inner = _unwrap_optional(_hints(cls)[f.name])
+        if dataclasses.is_dataclass(inner):
+            keys += schema_keys(inner, key + ".")
+    return keys
+
+
+def _suggest(key: str, section_fields: list[str], all_keys: list[str], renames: list[tuple[str, str]]) -> str:
+    for old, new in renames:
+        if key == old or key.startswith(old + "."):
+            target = (new + key[len(old):]).lstrip(".")
+            if target in all_keys or any(k.startswith(target + ".") for k in all_keys):
+                return f"; verl calls it {key!r}, here it is {target!r}"
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, section_fields, n=1, cutoff=0.6)
+    if close:
+        parent = key.rsplit(".", 1)[0] + "." if "." in key else ""
+        return f"; did you mean {parent + close[0]!r}?"
+    elsewhere = [k for k in all_keys if k.rsplit(".", 1)[-1] == leaf]
+    if elsewhere:
+        return f"; {leaf!r} exists as {', '.join(repr(k) for k in elsewhere)}"
+    close = difflib.get_close_matches(key, all_keys, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else type_name(a) for a in get_args(tp))
+    if origin is list:
+        return f"list of ({type_name(get_args(tp)[0])})"
+    if origin is dict:
+        return "mapping"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+class _Builder:
+    def __init__(self, root: type, renames: list[tuple[str, str]]):
+        self.errors: list[str] = []
+        self.all_keys = schema_keys(root)
+        self.renames = renames
+
+    def build(self, cls: type, data: Any, prefix: str) -> Any:
+        label = prefix.rstrip(".") or "<root>"
+        if not isinstance(data, dict):
+            self.errors.append(f"{label}: expected a mapping, got {type(data).__name__} {data!r}")
+            return None
+        names = [f.name for f in dataclasses.fields(cls)]
+        hints = _hints(cls)
+        for key in data:
+            if not isinstance(key, str):
+                self.errors.append(f"{prefix}{key!r}: keys must be strings")
+            elif key not in names:
+                full = prefix + key
+                hint = _suggest(full, names, self.all_keys, self.renames)
+                self.errors.append(f"{full}: unknown key{hint}")
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in data:
+                value = self.convert(data[f.name], hints[f.name], prefix + f.name)
+                if value is not _INVALID:
+                    kwargs[f.name] = value
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                self.errors.append(f"{prefix}{f.name}: required key is missing")
+        try:
+            return cls(**kwargs)
+        except TypeError:  # a required field was reported missing or invalid above
+            return None
+
+    def convert(self, value: Any, tp: Any, key: str) -> Any:
+        origin = get_origin(tp)
+        if tp is Any:
+            return value
+        if origin in (Union, types.UnionType):
+            return self._union(value, tp, key)
+        if value is None:
+            return self._bad(key, tp, value)
+        if origin is Literal:
+            if any(value == a and type(value) is type(a) for a in get_args(tp)):
+                return value
+            allowed = ", ".join(repr(a) for a in get_args(tp))
+            self.errors.append(f"{key}: must be one of [{allowed}], got {value!r}")
+            return _INVALID
+        if dataclasses.is_dataclass(tp):
+            built = self.build(tp, value, key + ".")
+            return _INVALID if built is None else built
+        if origin is list:
+            item = get_args(tp)[0]
+            if isinstance(value, str) and item is str:
+                value = [value]  # verl accepts `train_files: a.parquet` as well as a list
+            if not isinstance(value, list):
+                return self._bad(key, tp, value)
+            items = [self.convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+            return _INVALID if any(v is _INVALID for v in items) else items
+        if origin is dict:
+            if not isinstance(value, dict):
+                return self._bad(key, tp, value)
+            return copy.deepcopy(value)
+        if tp is bool:
+            return value if isinstance(value, bool) else self._bad(key, tp, value)
+        if tp is int:
+            return value if isinstance(value, int) and not isinstance(value, bool) else self._bad(key, tp, value)
+        if tp is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            return self._bad(key, tp, value)
+        if tp is str:
+            return value if isinstance(value, str) else self._bad(key, tp, value)
+        raise TypeError(f"config schema: unsupported type {tp!r} at {key}")  # a bug in the schema, not user input
+
+    def _union(self, value: Any, tp: Any, key: str) -> Any:
+        args = get_args(tp)
+        if value is None:
+            return None if type(None) in args else self._bad(key, tp, value)
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return self.convert(value, options[0], key)
+        for option in options:
+            trial = _Builder.__new__(_Builder)
+            trial.errors, trial.all_keys, trial.renames = [], self.all_keys, self.renames
+            out = trial.convert(value, option, key)
+            if not trial.errors:
+                return out
+        return self._bad(key, tp, value)
+
+    def _bad(self, key: str, tp: Any, value: Any) -> Any:
+        shown = "null" if value is None else f"{type(value).__name__} {value!r}"
+        self.errors.append(f"{key}: expected {type_name(tp)}, got {shown}")
+        return _INVALID
+
+
+_INVALID = object()
+
+
+def from_dict(cls: type, data: Any, renames: list[tuple[str, str]] = (), source: str | None = None) -> Any:
+    """Build a dataclass tree from plain data; raise ConfigError listing every unknown key and type error."""
+    builder = _Builder(cls, list(renames))
+    obj = builder.build(cls, {} if data is None else data, "")
+    if builder.errors:
+        raise ConfigError(builder.errors, source)
+    return obj
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+# ---------------------------------------------------------------------------------------------- overrides
+
+def _field_type(cls: type, parts: list[str]) -> tuple[Any, str | None]:
+    """Type of the field at a dotted path, or (None, error). Keys below a dict-typed field are free-form."""
+    tp: Any = cls
+    for depth, part in enumerate(parts):
+        inner = _unwrap_optional(tp)
+        if get_origin(inner) is dict or inner is Any:
+            return Any, None
+        if not dataclasses.is_dataclass(inner):
+            return None, f"{'.'.join(parts[:depth])} is a {type_name(tp)}, it has no key {part!r}"
+        hints = _hints(inner)
+        if part not in hints:
+            return None, "unknown"
+        tp = hints[part]
+    return tp, None
+
+
+def apply_overrides(
+    data: dict, overrides: list[str], cls: type, renames: list[tuple[str, str]] = (), source: str | None = None
+) -> dict:
+    """Return a copy of `data` with `a.b.c=value` overrides applied; values are YAML scalars/flow collections.
+
+    A value for a string field is kept verbatim (so `trainer.experiment_name=2024` stays a string); all other
+    values are type-checked later by `from_dict`, with the same error messages as the YAML file gets.
+    """
+    data = copy.deepcopy(data) if data else {}
+    errors = []
+    all_keys = schema_keys(cls)
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not p for p in key.split(".")):
+            errors.append(f"override {text!r}: expected dotted.key=value")
+            continue
+        parts = key.split(".")
+        tp, problem = _field_type(cls, parts)
+        if problem == "unknown":
+            parent = ".".join(parts[:-1])
+            section = _field_type(cls, parts[:-1])[0] if parent else cls
+            inner = _unwrap_optional(section)
+            names = [f.name for f in dataclasses.fields(inner)] if dataclasses.is_dataclass(inner) else []
+            errors.append(f"override {text!r}: {key}: unknown key{_suggest(key, names, all_keys, list(renames))}")
+            continue
+        if problem:
+            errors.append(f"override {text!r}: {problem}")
+            continue
+        try:
+            value = yaml_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            errors.append(f"override {text!r}: {key}: value is not valid YAML ({exc.__class__.__name__})")
+            continue
+        if _unwrap_optional(tp) is str and value is not None and not isinstance(value, str):
+            value = raw.strip()
+        node = data
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    if errors:
+        raise ConfigError(errors, source)
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- docs
+
+def _show_default(value: Any) -> str:
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return repr(value)
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text[:-4].strip() if text.endswith("...") else text
+
+
+def reference_rows(cls: type, verl_sections: dict[str, str], prefix: str = "") -> list[tuple[str, str, str, str, str]]:
+    """(key, type, default, verl key, help) for every leaf field, recursing into (optional) sub-sections."""
+    rows = []
+    instance_defaults = {}
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        tp = _hints(cls)[f.name]
+        inner = _unwrap_optional(tp)
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        instance_defaults[f.name] = default
+        if dataclasses.is_dataclass(inner):
+            rows += reference_rows(inner, verl_sections, key + ".")
+            continue
+        verl = f.metadata.get("verl", SAME)
+        section = verl_sections.get(prefix.rstrip("."))
+        if verl is None or (verl == SAME and section is None):
+            verl_key = "—"
+        elif verl == SAME:
+            verl_key = f"{section}.{f.name}" if section else f.name
+        elif "." in verl or section is None:
+            verl_key = verl
+        else:
+            verl_key = f"{section}.{verl}"
+        shown = "(required)" if default is dataclasses.MISSING else _show_default(default)
+        rows.append((key, type_name(tp), shown, verl_key, f.metadata.get("help", "")))
+    return rows
+
+
+def reference_table(cls: type, verl_sections: dict[str, str]) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| key | type | default | verl equivalent | meaning |", "|---|---|---|---|---|"]
+    for key, tp, default, verl, help_text in reference_rows(cls, verl_sections):
+        lines.append(f"| `{key}` | {cell(tp)} | `{cell(default)}` | {cell(verl if verl == '—' else f'`{verl}`')} "
+                     f"| {cell(help_text)} |")
+    return "\n".join(lines) + "\n"
