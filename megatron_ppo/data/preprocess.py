@@ -1,0 +1,72 @@
+"""`megatron-ppo preprocess <dataset>`: raw datasets -> verl-schema parquet (and the project's small tokenizer).
+
+    megatron-ppo preprocess gsm8k --input ../shared/data/gsm8k --out data/gsm8k
+    megatron-ppo preprocess tokenizer --input ../shared/data/gsm8k --out .cache/tokenizers
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+
+from megatron_ppo.data import gsm8k
+from megatron_ppo.data.parquet_io import atomic_write_table
+from megatron_ppo.data.schema import GSM8K_PROMPT_SCHEMA
+
+log = logging.getLogger(__name__)
+
+
+def preprocess_gsm8k(input_dir: str | Path, out_dir: str | Path, splits=gsm8k.SPLITS) -> dict[str, int]:
+    """Write `<out>/<split>.parquet` for each split; returns rows written per split (always = lines read)."""
+    input_dir, out_dir = Path(input_dir), Path(out_dir)
+    counts = {}
+    for split in splits:
+        src = input_dir / f"{split}.jsonl"
+        if not src.is_file():
+            raise FileNotFoundError(f"--input: {src} not found (expected GSM8K {split}.jsonl in {input_dir})")
+        rows = gsm8k.read_jsonl(src, split)
+        table = pa.Table.from_pylist(rows, schema=GSM8K_PROMPT_SCHEMA)
+        atomic_write_table(table, out_dir / f"{split}.parquet")
+        counts[split] = table.num_rows
+        log.info("gsm8k %s: %d rows -> %s", split, table.num_rows, out_dir / f"{split}.parquet")
+    return counts
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-ppo preprocess", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="dataset", required=True)
+    g = sub.add_parser("gsm8k", help="GSM8K train/test jsonl -> verl-schema parquet")
+    g.add_argument("--input", default=str(gsm8k.default_gsm8k_dir()), help="folder with train.jsonl and test.jsonl")
+    g.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
+    g.add_argument("--splits", nargs="+", default=list(gsm8k.SPLITS), choices=gsm8k.SPLITS)
+    t = sub.add_parser("tokenizer", help="build the small byte-level BPE tokenizer from GSM8K text (cached)")
+    t.add_argument("--input", default=str(gsm8k.default_gsm8k_dir()), help="folder with GSM8K train.jsonl")
+    t.add_argument("--out", required=True, help="cache folder; the tokenizer goes in a sub-folder named by its key")
+    t.add_argument("--vocab-size", type=int, default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.dataset == "gsm8k":
+            counts = preprocess_gsm8k(args.input, args.out, args.splits)
+            for split, n in counts.items():
+                print(f"{split}: {n} rows -> {Path(args.out) / (split + '.parquet')}")
+        else:
+            from megatron_ppo.data.tokenizer import DEFAULT_VOCAB_SIZE, gsm8k_tokenizer_dir
+
+            path = gsm8k_tokenizer_dir(args.out, args.input, vocab_size=args.vocab_size or DEFAULT_VOCAB_SIZE)
+            print(f"tokenizer: {path}")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-ppo preprocess: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

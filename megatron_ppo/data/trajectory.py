@@ -1,0 +1,251 @@
+"""Trajectory (offline) parquet: prompt columns + response + behaviour-policy log-probs (+ optional reward).
+
+Written by `TrajectoryWriter` (one file per rollout step under `rollout.dump_dir`) and read back for offline PPO by
+`TrajectoryDataset`. Every file is validated the same way on write and on read:
+  - required columns: data_source, prompt, rollout_log_probs, and response_ids and/or response (text);
+  - per row, len(response_ids) == len(rollout_log_probs);
+  - log-probs finite and <= 0; reward (when present and not null) finite;
+  - an empty response (no tokens) is filtered — counted and logged — or an error, per `empty_response_policy`.
+Errors name the file (or "batch"), the row and the column.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from megatron_ppo.data.parquet_io import atomic_write_table, expand_parquet_paths, read_tables
+from megatron_ppo.data.schema import (
+    BEHAVIOUR_POLICY, MESSAGE, TRAJECTORY_FIELDS, TRAJECTORY_REQUIRED, SchemaError, check_prompt_column,
+    require_columns,
+)
+
+log = logging.getLogger(__name__)
+
+EMPTY_RESPONSE_POLICIES = ("filter", "error")
+PASSTHROUGH = ("ability", "reward_model", "extra_info")
+
+
+class TrajectoryError(ValueError):
+    """A trajectory row breaks the format's rules; the message names the file, row and column."""
+
+
+def _list_lengths(column: pa.ChunkedArray) -> np.ndarray:
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False)
+
+
+def _first_null(column: pa.ChunkedArray) -> int | None:
+    if column.null_count == 0:
+        return None
+    return int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+
+
+def validate_trajectory_table(table: pa.Table, source: str, empty_response_policy: str = "filter"
+                              ) -> tuple[pa.Table, int]:
+    """Check a trajectory table; returns (table without empty responses, number filtered). Raises on bad rows."""
+    if empty_response_policy not in EMPTY_RESPONSE_POLICIES:
+        raise ValueError(f"empty_response_policy={empty_response_policy!r}; choose one of {EMPTY_RESPONSE_POLICIES}")
+    names = table.schema.names
+    require_columns(table.schema, TRAJECTORY_REQUIRED, source, "trajectory parquet")
+    if "response_ids" not in names and "response" not in names:
+        raise SchemaError(f"{source}: trajectory parquet needs column 'response_ids' or 'response' (text); "
+                          f"columns present: {names}")
+    check_prompt_column(table.schema, source)
+    for name in ("rollout_log_probs", "response_ids", "prompt_ids", "reward", "response"):
+        if name in names:
+            try:
+                table = table.set_column(names.index(name), name, table[name].cast(TRAJECTORY_FIELDS[name]))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise SchemaError(f"{source}: column {name!r} has type {table.schema.field(name).type}, expected "
+                                  f"{TRAJECTORY_FIELDS[name]} ({e})") from None
+    for name in ("rollout_log_probs", "response_ids", "prompt_ids"):
+        if name in names and (row := _first_null(table[name])) is not None:
+            raise TrajectoryError(f"{source}: row {row}: column {name!r} is null")
+    logp = table["rollout_log_probs"]
+    n_logp = _list_lengths(logp)
+    if "response_ids" in names:
+        n_ids = _list_lengths(table["response_ids"])
+        if (bad := np.flatnonzero(n_ids != n_logp)).size:
+            r = int(bad[0])
+            raise TrajectoryError(f"{source}: row {r}: 'response_ids' has {n_ids[r]} tokens but 'rollout_log_probs' "
+                                  f"has {n_logp[r]} values; they must agree one to one")
+    values = pc.list_flatten(logp).to_numpy(zero_copy_only=False)
+    if (bad := np.flatnonzero(~(np.isfinite(values) & (values <= 0)))).size:
+        parents = pc.list_parent_indices(logp).to_numpy(zero_copy_only=False)
+        r = int(parents[bad[0]])
+        pos = int(bad[0] - np.concatenate([[0], np.cumsum(n_logp)])[r])
+        raise TrajectoryError(f"{source}: row {r}: 'rollout_log_probs'[{pos}] = {values[bad[0]]!r}; log-probs must "
+                              "be finite and <= 0")
+    if "reward" in names:
+        reward = table["reward"].to_numpy(zero_copy_only=False)  # nulls become NaN here: check validity first
+        valid = table["reward"].is_valid().to_numpy(zero_copy_only=False)
+        if (bad := np.flatnonzero(valid & ~np.isfinite(reward))).size:
+            r = int(bad[0])
+            raise TrajectoryError(f"{source}: row {r}: 'reward' = {reward[r]!r} is not finite "
+                                  "(leave it null to score the response at training time)")
+    empty = n_logp == 0
+    if "response_ids" not in names:  # text only: an empty string is an empty response
+        empty |= pc.fill_null(pc.utf8_length(table["response"]), 0).to_numpy(zero_copy_only=False) == 0
+    if empty.any():
+        rows = np.flatnonzero(empty)
+        if empty_response_policy == "error":
+            raise TrajectoryError(f"{source}: row {int(rows[0])}: empty response ({rows.size} row(s) in all); "
+                                  "set empty_response_policy='filter' to drop them")
+        log.warning("%s: filtered %d trajectory row(s) with an empty response (rows %s%s)", source, rows.size,
+                    rows[:10].tolist(), "..." if rows.size > 10 else "")
+        table = table.filter(pa.array(~empty))
+    return table, int(empty.sum())
+
+
+def _ragged(values: Sequence, dtype, name: str) -> pa.Array:
+    """A list column from a sequence of 1-D lists / numpy arrays / tensors, without a Python loop over tokens."""
+    arrays = []
+    for row, v in enumerate(values):
+        if hasattr(v, "detach"):
+            v = v.detach().cpu().numpy()
+        a = np.asarray(v)
+        if a.ndim != 1:
+            raise TrajectoryError(f"batch: row {row}: column {name!r} must be 1-D per row, got shape {a.shape}")
+        arrays.append(a)
+    offsets = np.concatenate([[0], np.cumsum([a.size for a in arrays])]).astype(np.int32)
+    flat = np.concatenate(arrays) if arrays else np.zeros(0)
+    if pa.types.is_integer(dtype) and flat.size and not np.issubdtype(flat.dtype, np.integer):
+        raise TrajectoryError(f"batch: column {name!r} must hold integer token ids, got dtype {flat.dtype}")
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(dtype.to_pandas_dtype())))
+
+
+def unpad(padded, mask) -> list[np.ndarray]:
+    """Per-row 1-D arrays of the positions where `mask` is set (e.g. response tokens of a [B, R] tensor)."""
+    padded = padded.detach().cpu().numpy() if hasattr(padded, "detach") else np.asarray(padded)
+    mask = (mask.detach().cpu().numpy() if hasattr(mask, "detach") else np.asarray(mask)).astype(bool)
+    return [row[m] for row, m in zip(padded, mask)]
+
+
+def trajectory_table(batch: Mapping[str, Sequence], behaviour_policy: Mapping | None = None) -> pa.Table:
+    """Columns of one rollout batch -> an Arrow table with the trajectory schema's types."""
+    sizes = {k: len(v) for k, v in batch.items()}
+    if len(set(sizes.values())) > 1:
+        raise TrajectoryError(f"batch: columns have different row counts {sizes}")
+    n = next(iter(sizes.values()), 0)
+    cols: dict[str, pa.Array] = {}
+    for name in batch:
+        if name not in {"data_source", "prompt", *PASSTHROUGH, *TRAJECTORY_FIELDS}:
+            raise TrajectoryError(f"batch: unknown column {name!r}; put extra per-row data in 'extra_info'")
+    if "data_source" in batch:
+        cols["data_source"] = pa.array(list(batch["data_source"]), pa.string())
+    if "prompt" in batch:
+        cols["prompt"] = pa.array([list(p) for p in batch["prompt"]], pa.list_(MESSAGE))
+    for name in PASSTHROUGH:
+        if name in batch:
+            cols[name] = pa.array(list(batch[name]))
+    if "response" in batch:
+        cols["response"] = pa.array(list(batch["response"]), pa.string())
+    for name in ("prompt_ids", "response_ids", "rollout_log_probs"):
+        if name in batch:
+            cols[name] = _ragged(batch[name], TRAJECTORY_FIELDS[name].value_type, name)
+    if "reward" in batch:
+        cols["reward"] = pa.array([None if r is None else float(r) for r in batch["reward"]], pa.float64())
+    if "behaviour_policy" in batch:
+        cols["behaviour_policy"] = pa.array(list(batch["behaviour_policy"]), BEHAVIOUR_POLICY)
+    elif behaviour_policy is not None:
+        cols["behaviour_policy"] = pa.array([dict(behaviour_policy)] * n, BEHAVIOUR_POLICY)
+    return pa.table(cols)
+
+
+class TrajectoryWriter:
+    """Dumps rollout batches for later offline replay: `append(step, batch)` writes `step_{step:08d}.parquet`.
+
+    One file per step, written atomically; appending the same step again (a resumed run redoing it) replaces that
+    step's file instead of duplicating its rows. The batch is validated before anything is written.
+    """
+
+    def __init__(self, dump_dir: str | Path, policy_name: str | None = None, temperature: float | None = None):
+        self.dump_dir = Path(dump_dir)
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        self.policy_name, self.temperature = policy_name, temperature
+
+    def path_for(self, step: int) -> Path:
+        return self.dump_dir / f"step_{step:08d}.parquet"
+
+    def append(self, step: int, batch: Mapping[str, Sequence]) -> Path:
+        policy = {"name": self.policy_name, "step": int(step), "temperature": self.temperature}
+        table = trajectory_table(batch, policy)
+        table, _ = validate_trajectory_table(table, f"batch (step {step})", empty_response_policy="error")
+        path = self.path_for(step)
+        if path.exists():
+            log.warning("trajectory dump %s exists; replacing it (step %d was run again)", path, step)
+        return atomic_write_table(table, path)
+
+
+class TrajectoryDataset:
+    """Validated trajectory rows with token ids for prompt and response.
+
+    Prompt ids come from `prompt_ids` when stored, else from the tokenizer's chat template; response ids from
+    `response_ids`, else by tokenising `response` (then its token count must match the log-probs).
+    Item i: prompt_ids, response_ids (list[int]), rollout_log_probs (float32 array), reward (float | None),
+    raw_prompt, data_source, reward_model, extra_info, ability, behaviour_policy, response (text | None).
+    """
+
+    def __init__(self, data_files: str | Path | Iterable[str | Path], tokenizer=None,
+                 empty_response_policy: str = "filter"):
+        self.tokenizer = tokenizer
+        self.items: list[dict] = []
+        self.stats = {"rows_read": 0, "rows_kept": 0, "filtered_empty_response": 0}
+        for path, table in read_tables(expand_parquet_paths(data_files)):
+            n_read = table.num_rows
+            table, n_empty = validate_trajectory_table(table, str(path), empty_response_policy)
+            self._add(path, table)
+            self.stats["rows_read"] += n_read
+            self.stats["filtered_empty_response"] += n_empty
+        self.stats["rows_kept"] = len(self.items)
+        if not self.items:
+            raise ValueError(f"data_files {data_files}: no trajectory rows left (stats: {self.stats})")
+
+    def _need_tokenizer(self, path: Path, column: str):
+        if self.tokenizer is None:
+            raise ValueError(f"{path}: no {column!r} column, so a tokenizer is needed to tokenise it")
+        return self.tokenizer
+
+    def _add(self, path: Path, table: pa.Table) -> None:
+        names = table.schema.names
+        rows = table.to_pylist()
+        if "prompt_ids" in names:
+            prompt_ids = [r["prompt_ids"] for r in rows]
+        else:
+            from megatron_ppo.data.prompt_dataset import chat_prompt_ids
+
+            prompt_ids = chat_prompt_ids(self._need_tokenizer(path, "prompt_ids"), [r["prompt"] for r in rows])
+        if "response_ids" in names:
+            response_ids = [r["response_ids"] for r in rows]
+        else:
+            tok = self._need_tokenizer(path, "response_ids")
+            response_ids = tok([r["response"] for r in rows], add_special_tokens=False)["input_ids"]
+            for i, (ids, r) in enumerate(zip(response_ids, rows)):
+                if len(ids) != len(r["rollout_log_probs"]):
+                    raise TrajectoryError(f"{path}: row {i}: 'response' tokenises to {len(ids)} tokens but "
+                                          f"'rollout_log_probs' has {len(r['rollout_log_probs'])} values "
+                                          "(store 'response_ids' to pin the exact tokens)")
+        for r, p_ids, r_ids in zip(rows, prompt_ids, response_ids):
+            self.items.append({
+                "prompt_ids": list(p_ids),
+                "response_ids": list(r_ids),
+                "rollout_log_probs": np.asarray(r["rollout_log_probs"], dtype=np.float32),
+                "reward": r.get("reward"),
+                "raw_prompt": r["prompt"],
+                "data_source": r["data_source"],
+                "reward_model": r.get("reward_model"),
+                "extra_info": r.get("extra_info"),
+                "ability": r.get("ability"),
+                "behaviour_policy": r.get("behaviour_policy"),
+                "response": r.get("response"),
+            })
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]

@@ -1,0 +1,72 @@
+"""Reward functions by data_source, verl-style: fn(solution_str, ground_truth, extra_info=None, **kwargs) -> float.
+
+    @register_reward("my_org/my_dataset")
+    def my_reward(solution_str, ground_truth, extra_info=None, **kwargs) -> float: ...
+
+A function may also return a dict with a "score" key (as verl allows). Built-in: "openai/gsm8k".
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+RewardFn = Callable[..., float]
+_REGISTRY: dict[str, RewardFn] = {}
+_BUILTINS_LOADED = False
+
+
+class UnknownDataSourceError(LookupError):
+    """No reward function is registered for a row's data_source."""
+
+
+def register_reward(*data_sources: str, overwrite: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function for one or more data_source names."""
+    if not data_sources:
+        raise ValueError("register_reward needs at least one data_source name")
+
+    def wrap(fn: RewardFn) -> RewardFn:
+        for name in data_sources:
+            if name in _REGISTRY and _REGISTRY[name] is not fn and not overwrite:
+                raise ValueError(f"data_source {name!r} already has reward {_REGISTRY[name].__module__}."
+                                 f"{_REGISTRY[name].__qualname__}; pass overwrite=True to replace it")
+            _REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def _load_builtins() -> None:
+    global _BUILTINS_LOADED
+    if not _BUILTINS_LOADED:
+        _BUILTINS_LOADED = True
+        importlib.import_module("megatron_ppo.rewards.gsm8k")
+
+
+def get_reward_fn(data_source: str) -> RewardFn:
+    _load_builtins()
+    try:
+        return _REGISTRY[data_source]
+    except KeyError:
+        raise UnknownDataSourceError(
+            f"no reward function registered for data_source {data_source!r}; registered: "
+            f"{registered_data_sources()} (add one with @megatron_ppo.rewards.register_reward({data_source!r}))"
+        ) from None
+
+
+def registered_data_sources() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def load_reward_module(path: str | Path) -> None:
+    """Import a user's Python file so its @register_reward decorators run (e.g. from a config's reward path)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"reward module {path} not found")
+    name = f"megatron_ppo_user_reward_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
