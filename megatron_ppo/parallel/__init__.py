@@ -1,0 +1,189 @@
+"""torch.distributed + megatron parallel_state set-up and tear-down (TP, PP, DP; CP reserved).
+
+``initialize()`` is the one call a worker makes before building Megatron models; ``destroy()`` undoes it so that a
+process (a test, a worker switching layouts) can initialise again with another layout.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_ppo.parallel.platform import cpu_platform_needed, default_device, enable_cpu_platform
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "initialize",
+    "destroy",
+    "is_initialized",
+    "enable_cpu_platform",
+    "default_device",
+    "tp_rank",
+    "tp_size",
+    "pp_rank",
+    "pp_size",
+    "dp_rank",
+    "dp_size",
+    "is_first_stage",
+    "is_last_stage",
+    "seed_everything",
+]
+
+_owns_process_group = False
+_initialized = False
+
+
+def _init_process_group(backend: str, timeout_minutes: int) -> None:
+    global _owns_process_group
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+            if key not in os.environ:
+                raise RuntimeError(f"parallel.initialize: WORLD_SIZE is set but env var {key} is missing")
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    else:
+        # A single process: an in-memory store, no ports.
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    _owns_process_group = True
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python-side torch RNGs and Megatron's model-parallel RNG tracker (CPU tracker on CPU)."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def initialize(
+    tp: int = 1,
+    pp: int = 1,
+    seed: int = 1234,
+    backend: str | None = None,
+    *,
+    cp: int = 1,
+    timeout_minutes: int = 30,
+) -> None:
+    """Initialise torch.distributed (if needed), Megatron's parallel_state and the RNG tracker.
+
+    backend: None picks nccl when CUDA is available, else gloo (with the CPU platform layer).
+    World size comes from the torchrun-style env (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT); without it the
+    process is a world of one. An already-initialised process group is reused (and then not destroyed by destroy()).
+    """
+    global _initialized
+    from megatron.core import parallel_state
+
+    if _initialized or parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("parallel.initialize: already initialised; call parallel.destroy() first")
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"parallel.initialize: {name} must be a positive int, got {value!r}")
+    if cp != 1:
+        raise NotImplementedError("parallel.initialize: context parallelism (cp>1) is reserved, not supported yet")
+
+    on_cpu = cpu_platform_needed()
+    if on_cpu:
+        enable_cpu_platform()
+    if backend is None:
+        backend = "gloo" if on_cpu else "nccl"
+    if backend == "nccl" and on_cpu:
+        raise ValueError("parallel.initialize: backend='nccl' needs CUDA; this torch has none (use gloo)")
+
+    if not on_cpu:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        _init_process_group(backend, timeout_minutes)
+
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise ValueError(
+            f"parallel.initialize: world size {world} is not divisible by tp*pp = {tp}*{pp} (rank {dist.get_rank()})"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    seed_everything(seed)
+    _initialized = True
+    logger.debug("parallel.initialize: rank %d/%d tp=%d pp=%d dp=%d", dist.get_rank(), world, tp, pp, dp_size())
+
+
+def destroy(destroy_process_group: bool = True) -> None:
+    """Tear down Megatron's parallel state (and the process group if initialize() created it).
+
+    destroy_process_group=False keeps torch.distributed up, so the same ranks can initialise another layout.
+    """
+    global _initialized, _owns_process_group
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    parallel_state.destroy_model_parallel()
+    mrandom.initialize_rng_tracker(force_reset=True)
+    _destroy_global_caches()
+    if destroy_process_group and _owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+        _owns_process_group = False
+    _initialized = False
+
+
+def _destroy_global_caches() -> None:
+    """Megatron keeps a few module-level caches keyed by model or group; drop the ones that outlive a layout."""
+    try:
+        from megatron.core.transformer import utils as tutils
+
+        tutils._sequence_parallel_attr_cache = None
+    except (ImportError, AttributeError):
+        pass
+
+
+def is_initialized() -> bool:
+    return _initialized
+
+
+def _ps():
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def tp_rank() -> int:
+    return _ps().get_tensor_model_parallel_rank()
+
+
+def tp_size() -> int:
+    return _ps().get_tensor_model_parallel_world_size()
+
+
+def pp_rank() -> int:
+    return _ps().get_pipeline_model_parallel_rank()
+
+
+def pp_size() -> int:
+    return _ps().get_pipeline_model_parallel_world_size()
+
+
+def dp_rank() -> int:
+    return _ps().get_data_parallel_rank()
+
+
+def dp_size() -> int:
+    return _ps().get_data_parallel_world_size()
+
+
+def is_first_stage() -> bool:
+    return _ps().is_pipeline_first_stage(ignore_virtual=True)
+
+
+def is_last_stage() -> bool:
+    return _ps().is_pipeline_last_stage(ignore_virtual=True)

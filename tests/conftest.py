@@ -1,0 +1,32 @@
+"""Shared test fixtures: a single-process Megatron world, and a pool of 2 local ranks for multi-process tests."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
+
+
+@pytest.fixture(scope="session")
+def dist_pool2():
+    """Two long-lived gloo ranks (spawned once per session): ``dist_pool2.run(fn, *args) -> [rank0, rank1]``.
+
+    ``fn(rank, world_size, *args)`` must be module-level; it initialises and destroys its parallel layout itself.
+    """
+    from megatron_ppo.parallel.launch import LocalWorkerPool
+
+    with LocalWorkerPool(2) as pool:
+        yield pool
+
+
+@pytest.fixture
+def megatron_single():
+    """A world-of-one Megatron (TP=PP=DP=1) initialised for the test and torn down after it."""
+    from megatron_ppo import parallel
+
+    parallel.initialize(tp=1, pp=1, seed=1234)
+    try:
+        yield
+    finally:
+        parallel.destroy()
