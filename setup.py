@@ -58,7 +58,6 @@ setup(
     version="0.1.0",
     description="PPO RLHF trainer for large language models on Megatron-core",
     packages=find_packages(include=["megatron_ppo", "megatron_ppo.*"]),
-    package_data={"megatron_ppo": ["configs/*.yaml"]},
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
