@@ -8,6 +8,7 @@ and ``ray_trainer.apply_kl_penalty``; the phased controller and the guard are ou
 from __future__ import annotations
 
 from collections.abc import Sequence
+from fractions import Fraction
 
 import torch
 
@@ -112,9 +113,10 @@ class PhasedKLController:
         return out
 
     def value_at(self, step: int) -> float:
-        fraction = checks.integer(step, "step", low=0) / self.total_steps
+        # Exact rational comparison against the decimal the user wrote (0.2 -> 1/5): step 10 of 50 is in phase 2.
+        fraction = Fraction(checks.integer(step, "step", low=0), self.total_steps)
         for end, coef in self.phases:
-            if fraction < end:
+            if fraction < Fraction(repr(end)):
                 return coef
         return self.phases[-1][1]
 
