@@ -23,6 +23,16 @@ log = logging.getLogger(__name__)
 OVERLONG_POLICIES = ("error", "filter", "truncate_left", "truncate_right")
 
 
+def overlong_policy_from_verl(filter_overlong_prompts: bool, truncation: str = "error") -> str:
+    """verl's two keys (data.filter_overlong_prompts, data.truncation = error|left|right) -> one policy name."""
+    if filter_overlong_prompts:
+        return "filter"
+    policies = {"error": "error", "left": "truncate_left", "right": "truncate_right"}
+    if truncation not in policies:
+        raise ValueError(f"data.truncation={truncation!r}; choose one of {sorted(policies)}")
+    return policies[truncation]
+
+
 class PromptTooLongError(ValueError):
     """A prompt is longer than max_prompt_length under overlong_prompt_policy="error"."""
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -47,6 +47,7 @@ def compute_rewards(
     reward_kwargs: Mapping[str, Mapping] | None = None,
     length_penalty: LengthPenalty | None = None,
     repetition_penalty: RepetitionPenalty | None = None,
+    reward_fn: Callable | None = None,
 ) -> RewardOutput:
     """Per-row scores for decoded responses.
 
@@ -54,6 +55,8 @@ def compute_rewards(
         e.g. {"openai/gsm8k": {"mode": "numeric", "format_score": 0.1}}.
     response_ids / response_lengths: token ids (repetition is measured on them; else on whitespace-split words)
         and lengths (default: len(response_ids[i])) for the length penalty.
+    reward_fn: a verl-style custom function fn(data_source, solution_str, ground_truth, extra_info) used for every
+        row instead of the registry (verl's custom_reward_function).
     """
     n = len(responses)
     for name, seq in (("data_sources", data_sources), ("ground_truths", ground_truths), ("extra_infos", extra_infos),
@@ -65,9 +68,12 @@ def compute_rewards(
     for i, (text, source, truth) in enumerate(zip(responses, data_sources, ground_truths)):
         if truth is None:
             raise RewardError(f"row {i} ({source}): reward_model.ground_truth is missing")
-        fn = get_reward_fn(source)
         extra = extra_infos[i] if extra_infos is not None else None
-        task[i] = _as_score(fn(text, truth, extra_info=extra, **reward_kwargs.get(source, {})), i, source)
+        if reward_fn is not None:
+            value = reward_fn(source, text, truth, extra)
+        else:
+            value = get_reward_fn(source)(text, truth, extra_info=extra, **reward_kwargs.get(source, {}))
+        task[i] = _as_score(value, i, source)
     terms = {"task": task}
     if length_penalty is not None:
         if response_lengths is None:
@@ -85,3 +91,38 @@ def compute_rewards(
             metrics.update({f"reward/{name}/mean": float(values.mean()), f"reward/{name}/min": float(values.min()),
                             f"reward/{name}/max": float(values.max())})
     return RewardOutput(scores=scores, terms=terms, metrics=metrics)
+
+
+@dataclass
+class RewardScorer:
+    """compute_rewards with its settings bound, built once from the config and called per step by the driver."""
+
+    reward_kwargs: Mapping[str, Mapping] | None = None
+    length_penalty: LengthPenalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    reward_fn: Callable | None = None
+
+    @classmethod
+    def from_config(cls, reward_cfg, max_response_length: int) -> "RewardScorer":
+        """From the `reward` config section: method/score/format_score (GSM8K), length_penalty_coef (linear:
+        -coef * length / max_response_length), repetition_penalty_coef and repetition_ngram_size, and
+        custom_reward_function.{path,name}."""
+        from megatron_ppo.rewards.registry import load_custom_reward_fn
+
+        gsm8k = {"mode": reward_cfg.method, "score": reward_cfg.score, "format_score": reward_cfg.format_score}
+        custom = reward_cfg.custom_reward_function
+        return cls(
+            reward_kwargs={"openai/gsm8k": gsm8k},
+            # buffer == max_length turns the soft overlong ramp into the linear -coef * length / max_length
+            length_penalty=LengthPenalty(max_response_length, max_response_length, reward_cfg.length_penalty_coef)
+            if reward_cfg.length_penalty_coef > 0 else None,
+            repetition_penalty=RepetitionPenalty(reward_cfg.repetition_penalty_coef, reward_cfg.repetition_ngram_size)
+            if reward_cfg.repetition_penalty_coef > 0 else None,
+            reward_fn=load_custom_reward_fn(custom.path, custom.name) if custom.path else None,
+        )
+
+    def __call__(self, responses, data_sources, ground_truths, **per_batch) -> RewardOutput:
+        """per_batch: extra_infos, response_ids, response_lengths (see compute_rewards)."""
+        return compute_rewards(responses, data_sources, ground_truths, reward_kwargs=self.reward_kwargs,
+                               length_penalty=self.length_penalty, repetition_penalty=self.repetition_penalty,
+                               reward_fn=self.reward_fn, **per_batch)

@@ -60,13 +60,22 @@ def registered_data_sources() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def load_reward_module(path: str | Path) -> None:
-    """Import a user's Python file so its @register_reward decorators run (e.g. from a config's reward path)."""
+def load_custom_reward_fn(path: str | Path, name: str = "compute_score") -> Callable:
+    """Import a user's Python file and return its function `name` (verl's custom_reward_function.path / .name).
+
+    The function has verl's signature fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict.
+    Any @register_reward decorators in the file run too, so one file can also add registry entries.
+    """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"reward module {path} not found")
-    name = f"megatron_ppo_user_reward_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, path)
+        raise FileNotFoundError(f"custom_reward_function.path: {path} not found")
+    module_name = f"megatron_ppo_user_reward_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[module_name] = module
     spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise AttributeError(f"custom_reward_function.name: {path} has no function {name!r}; it defines {public}")
+    return fn
