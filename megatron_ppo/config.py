@@ -21,7 +21,8 @@ __all__ = ["ConfigError", "PPOConfig", "load_config", "from_dict", "to_dict", "t
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
-KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"]
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                 "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 KL_TYPES = KLType.__args__  # k1/abs/k2/k3 by verl's names and aliases; "+" = straight-through k2 gradient
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Logger = Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]
@@ -76,10 +77,11 @@ class ArchConfig:
     num_query_groups: int = field(4, "KV heads (GQA); = num_attention_heads for MHA", "num_key_value_heads")
     vocab_size: Optional[int] = field(None, "null: the tokenizer's size")
     max_position_embeddings: int = field(2048, "longest sequence")
-    rotary_base: float = field(10000.0, "RoPE base", "rope_theta")
-    rope_scaling: Optional[dict[str, Any]] = field(None, "HF-style rope_scaling mapping (llama3, linear, ...)")
+    rotary_base: float = field(10000.0, "RoPE base", "rope_parameters.rope_theta")
+    rope_scaling: Optional[dict[str, Any]] = field(None, "HF-style rope scaling mapping (rope_type llama3, linear, "
+                                                   "...)", "rope_parameters")
     norm_epsilon: float = field(1e-6, "RMSNorm epsilon", "rms_norm_eps")
-    add_qkv_bias: bool = field(False, "QKV bias (Qwen2)", None)
+    add_qkv_bias: bool = field(False, "QKV bias (Qwen2; Llama's attention_bias)", "attention_bias")
     tie_word_embeddings: bool = field(False, "share input embedding and LM head")
     normalization: Literal["RMSNorm"] = field("RMSNorm", "norm type (Llama/Qwen2)", None)
     activation: Literal["swiglu"] = field("swiglu", "MLP activation (Llama/Qwen2)", "hidden_act")
@@ -88,17 +90,15 @@ class ArchConfig:
 @dataclass
 class ModelConfig:
     path: Optional[str] = field(None, "HF model directory (architecture from its config.json); "
-                                "for critic/ref/reward null means: the actor's weights")
+                                "for critic/ref null means: the actor's weights")
     arch: Optional[ArchConfig] = field(None, "inline architecture with random init (instead of path)", None)
     tokenizer_path: Optional[str] = field(None, "HF tokenizer directory; null: path")
+    # verl keeps these four under <role>.megatron (see VERL_KEYS)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
-        "auto", "parameter dtype; auto: bfloat16 on GPU, float32 on CPU", "megatron.dtype")
-    recompute_granularity: Optional[Literal["full", "selective"]] = field(
-        None, "activation checkpointing; null: off", "megatron.override_transformer_config.recompute_granularity")
-    recompute_method: Optional[Literal["uniform", "block"]] = field(
-        None, "required with recompute_granularity=full", "megatron.override_transformer_config.recompute_method")
-    recompute_num_layers: Optional[int] = field(
-        None, "required with recompute_granularity=full", "megatron.override_transformer_config.recompute_num_layers")
+        "auto", "parameter dtype; auto: bfloat16 on GPU, float32 on CPU")
+    recompute_granularity: Optional[Literal["full", "selective"]] = field(None, "activation checkpointing; null: off")
+    recompute_method: Optional[Literal["uniform", "block"]] = field(None, "required with recompute_granularity=full")
+    recompute_num_layers: Optional[int] = field(None, "required with recompute_granularity=full")
 
 
 @dataclass
@@ -213,7 +213,7 @@ class RolloutConfig(SamplingConfig):
     mode: Literal["online", "offline"] = field("online", "online: the actor generates; offline: replay "
                                                "trajectory_files", None)
     trajectory_files: list[str] = field([], "offline trajectory parquet file(s) (rollout.mode=offline)", None)
-    dump_dir: Optional[str] = field(None, "write each step's rollouts as trajectory parquet here", "trainer.rollout_data_dir")
+    dump_dir: Optional[str] = field(None, "write each step's rollouts as trajectory parquet here")
     log_prob_micro_batch_size_per_gpu: Optional[int] = field(None, "old-log-prob forward: sequences per forward")
     log_prob_use_dynamic_bsz: bool = field(False, "old-log-prob forward by token budget")
     log_prob_max_token_len_per_gpu: int = field(16384, "token budget per old-log-prob micro-batch")
@@ -236,6 +236,10 @@ class KLCtrlConfig:
     target_kl: float = field(0.1, "adaptive: KL the controller steers to")
     phases: list[KLPhase] = field([], "phased: [{until: 0.2, coef: 0.08}, ..., {until: 1.0, coef: ...}]", None)
 
+    def phase_pairs(self) -> list[tuple[float, float]]:
+        """phases as the (end_fraction, coef) pairs of algo.kl_control.PhasedKLController."""
+        return [(p.until, p.coef) for p in self.phases]
+
 
 @dataclass
 class KLGuardConfig:
@@ -247,43 +251,14 @@ class KLGuardConfig:
 @dataclass
 class RolloutCorrectionConfig:
     rollout_is: Optional[Literal["token", "sequence"]] = field(None, "importance-sampling weight level; null: off")
-    rollout_is_threshold: float = field(2.0, "upper truncation of IS weights")
+    rollout_is_threshold: Union[float, str] = field(2.0, "upper truncation of IS weights, or 'lower_upper' "
+                                                    "(IcePop: zero weights outside the bounds)")
     rollout_is_batch_normalize: bool = field(False, "normalise IS weights to mean 1 over the batch")
     rollout_rs: Optional[str] = field(None, "rejection criteria, comma separated: " + ", ".join(ROLLOUT_RS_OPTIONS))
     rollout_rs_threshold: Optional[Union[float, str]] = field(
         None, "one bound per criterion (comma separated) or one shared; *_k1 takes 'lower_upper' or an upper "
         "bound (lower = 1/upper), k2/k3 an upper bound")
     bypass_mode: bool = field(False, "use behaviour log-probs as old log-probs (skip the recompute)")
-
-    def rs_options(self) -> list[str]:
-        return [o.strip() for o in (self.rollout_rs or "").split(",") if o.strip()]
-
-    def rs_bounds(self) -> dict[str, tuple[Optional[float], float]]:
-        """{criterion: (lower or None, upper)} parsed as verl does; raises ValueError on a malformed threshold."""
-        options = self.rs_options()
-        if not options:
-            return {}
-        spec = self.rollout_rs_threshold
-        if spec is None:
-            raise ValueError("a threshold is required when rejection sampling is on")
-        parts = [p.strip() for p in str(spec).split(",") if p.strip()]
-        if len(parts) not in (1, len(options)):
-            raise ValueError(f"{len(parts)} thresholds for {len(options)} criteria; give 1 or {len(options)}")
-        parts = parts * len(options) if len(parts) == 1 else parts
-        bounds = {}
-        for option, part in zip(options, parts):
-            if "_" in part and not option.endswith("k1"):
-                raise ValueError(f"{option} takes one upper bound, got {part!r}")
-            low_text, _, high_text = part.rpartition("_")
-            try:
-                high = float(high_text)
-                low = float(low_text) if low_text else (1.0 / high if option.endswith("k1") and high > 0 else None)
-            except ValueError:
-                raise ValueError(f"{option} bound {part!r} is not a number (or 'lower_upper' for *_k1)") from None
-            if high <= 0 or (low is not None and not 0 < low <= high):
-                raise ValueError(f"{option} bounds must be positive with lower <= upper, got {part!r}")
-            bounds[option] = (low, high)
-        return bounds
 
 
 @dataclass
@@ -311,7 +286,7 @@ class TrainerConfig:
     val_before_train: bool = field(True, "validate once before the first step")
     log_val_generations: int = field(0, "validation generations written to the logs")
     balance_batch: bool = field(True, "balance tokens across data-parallel ranks")
-    seed: int = field(42, "seed of model init, dropout and sampling", "actor_rollout_ref.actor.megatron.seed")
+    seed: int = field(42, "seed of model init, dropout and sampling")
     project_name: str = field("megatron_ppo", "tracking project")
     experiment_name: str = field("default", "tracking run name")
     logger: list[Logger] = field(["console", "jsonl"], "metric sinks: " + ", ".join(LOGGERS))
@@ -340,9 +315,9 @@ class ParallelConfig:
 
 @dataclass
 class ClusterConfig:
-    nnodes: int = field(1, "nodes", "trainer.nnodes")
-    n_gpus_per_node: int = field(8, "ranks per node (GPUs; processes on CPU)", "trainer.n_gpus_per_node")
-    device: Literal["auto", "cuda", "cpu"] = field("auto", "auto: cuda when available", "trainer.device")
+    nnodes: int = field(1, "nodes")
+    n_gpus_per_node: int = field(8, "ranks per node (GPUs; processes on CPU)")
+    device: Literal["auto", "cuda", "cpu"] = field("auto", "auto: cuda when available")
     actor: ParallelConfig = field(ParallelConfig, "")
     critic: ParallelConfig = field(ParallelConfig, "")
     ref: ParallelConfig = field(ParallelConfig, "")
@@ -398,16 +373,24 @@ VERL_SECTIONS = {
     "critic": "critic", "critic.optim": "critic.optim", "critic.model": "critic.model",
     "critic.model.arch": "hf_config",
     "ref": "actor_rollout_ref.ref", "ref.model": "actor_rollout_ref.model", "ref.model.arch": "hf_config",
-    "reward": "reward", "reward.custom_reward_function": "custom_reward_function",
-    "reward.reward_model": "reward_model", "reward.reward_model.model": "reward_model.model",
+    "reward": "reward", "reward.custom_reward_function": "reward.custom_reward_function",
+    "reward.reward_model": "reward.reward_model", "reward.reward_model.model": None,
     "reward.reward_model.model.arch": "hf_config",
     "rollout": "actor_rollout_ref.rollout", "rollout.val_kwargs": "actor_rollout_ref.rollout.val_kwargs",
     "algorithm": "algorithm", "algorithm.kl_ctrl": "algorithm.kl_ctrl", "algorithm.kl_guard": None,
     "algorithm.rollout_correction": "algorithm.rollout_correction",
     "trainer": "trainer", "cluster": "trainer",
-    **{f"cluster.{r}": f"{v}.megatron" for r, v in
-       [("actor", "actor_rollout_ref.actor"), ("critic", "critic"), ("ref", "actor_rollout_ref.ref"),
-        ("reward", "reward_model")]},
+    "cluster.actor": "actor_rollout_ref.actor.megatron", "cluster.critic": "critic.megatron",
+    "cluster.ref": "actor_rollout_ref.ref.megatron", "cluster.reward": None,
+}
+_MEGATRON_MODEL_KEYS = {"dtype": "dtype", **{k: f"override_transformer_config.{k}" for k in
+                                             ("recompute_granularity", "recompute_method", "recompute_num_layers")}}
+VERL_KEYS = {  # rows whose verl key is not "<verl section>.<same name>"
+    **{f"{ours}.model.{k}": f"{theirs}.megatron.{v}" for k, v in _MEGATRON_MODEL_KEYS.items()
+       for ours, theirs in [("actor", "actor_rollout_ref.actor"), ("critic", "critic"), ("ref", "actor_rollout_ref.ref")]},
+    "reward.reward_model.model.path": "reward.reward_model.model_path",
+    "rollout.dump_dir": "trainer.rollout_data_dir", "trainer.seed": "actor_rollout_ref.actor.megatron.seed",
+    "reward.reward_model.micro_batch_size_per_gpu": None,
 }
 VERL_RENAMES = [
     ("actor_rollout_ref.actor.megatron", "cluster.actor"), ("actor_rollout_ref.ref.megatron", "cluster.ref"),
@@ -470,4 +453,4 @@ def save_config(cfg: PPOConfig, path: str | Path) -> None:
 
 def reference_markdown() -> str:
     """The key table of docs/config.md, generated from the schema (a test keeps the docs in sync)."""
-    return reference_table(PPOConfig, VERL_SECTIONS)
+    return reference_table(PPOConfig, VERL_SECTIONS, VERL_KEYS)

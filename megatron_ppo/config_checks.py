@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .config import (ROLLOUT_RS_OPTIONS, ArchConfig, ModelConfig, OptimConfig, PPOConfig, RolloutConfig,
+from .config import (ArchConfig, ModelConfig, OptimConfig, PPOConfig, RolloutConfig,
                      SamplingConfig)
 from .config_io import ConfigError
 
@@ -293,24 +293,40 @@ def _algorithm(cfg: PPOConfig, errs: _Errors) -> None:
         errs.check(k.phases[-1].until == 1.0, f"algorithm.kl_ctrl.phases[{len(k.phases) - 1}].until",
                    f"the last phase must end at 1.0 (the end of training), got {k.phases[-1].until}")
     errs.positive("algorithm.kl_guard.target_kl", a.kl_guard.target_kl)
-    rc = a.rollout_correction
-    errs.positive("algorithm.rollout_correction.rollout_is_threshold", rc.rollout_is_threshold)
-    errs.check(rc.rollout_is is not None or not rc.rollout_is_batch_normalize,
-               "algorithm.rollout_correction.rollout_is_batch_normalize",
-               "only used when algorithm.rollout_correction.rollout_is is token or sequence (it is null)")
-    if rc.rollout_rs is None:
-        errs.check(rc.rollout_rs_threshold is None, "algorithm.rollout_correction.rollout_rs_threshold",
-                   "only used when algorithm.rollout_correction.rollout_rs is set (it is null)")
-        return
-    options = rc.rs_options()
-    bad = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
-    errs.check(bool(options) and not bad, "algorithm.rollout_correction.rollout_rs",
-               f"must be comma-separated criteria from {list(ROLLOUT_RS_OPTIONS)}, got {rc.rollout_rs!r}")
-    if options and not bad:
+    _rollout_correction(a.rollout_correction, errs)
+
+
+def _rollout_correction(rc, errs: _Errors) -> None:
+    """Threshold syntax is algo.rollout_correction's own parser (verl's syntax), imported only when needed."""
+    key = "algorithm.rollout_correction"
+    threshold = rc.rollout_is_threshold
+    if isinstance(threshold, str):
+        from .algo.rollout_correction import parse_is_threshold
+
         try:
-            rc.rs_bounds()
+            parse_is_threshold(threshold)
         except ValueError as exc:
-            errs.append(f"algorithm.rollout_correction.rollout_rs_threshold: {exc}")
+            errs.append(f"{key}.rollout_is_threshold: {exc}")
+    else:
+        errs.check(0 < threshold < float("inf"), f"{key}.rollout_is_threshold",
+                   f"must be > 0 and finite, got {threshold}")
+    errs.check(rc.rollout_is is not None or not rc.rollout_is_batch_normalize, f"{key}.rollout_is_batch_normalize",
+               f"only used when {key}.rollout_is is token or sequence (it is null)")
+    if rc.rollout_rs is None:
+        errs.check(rc.rollout_rs_threshold is None, f"{key}.rollout_rs_threshold",
+                   f"only used when {key}.rollout_rs is set (it is null)")
+        return
+    from .algo.rollout_correction import parse_rs_options, parse_rs_thresholds
+
+    try:
+        options = parse_rs_options(rc.rollout_rs)
+    except ValueError as exc:
+        errs.append(f"{key}.rollout_rs: {exc}")
+        return
+    try:
+        parse_rs_thresholds(options, rc.rollout_rs_threshold)
+    except ValueError as exc:
+        errs.append(f"{key}.rollout_rs_threshold: {exc}")
 
 
 def _trainer(cfg: PPOConfig, errs: _Errors) -> None:

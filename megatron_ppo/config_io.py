@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import types
@@ -16,7 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-SAME = "<same>"  # field metadata: the verl key has the same name in the mapped verl section
+SAME = "<same>"  # field metadata: the verl key has the same name in the mapped verl section (else: a relative key)
 
 
 class ConfigError(ValueError):
@@ -68,8 +69,17 @@ def yaml_dump(data: Any) -> str:
 
 # ---------------------------------------------------------------------------------------------- schema walking
 
+@functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
 
 
 def _unwrap_optional(tp: Any) -> Any:
@@ -134,7 +144,9 @@ class _Builder:
         self.all_keys = schema_keys(root)
         self.renames = renames
 
-    def build(self, cls: type, data: Any, prefix: str) -> Any:
+    def build(self, cls: type, data: Any, prefix: str, base: Any = None) -> Any:
+        """Keys missing from `data` keep the value in `base` (the section's default instance), so a partial
+        `critic.optim: {clip_grad: 0.5}` keeps critic's own lr default rather than OptimConfig's."""
         label = prefix.rstrip(".") or "<root>"
         if not isinstance(data, dict):
             self.errors.append(f"{label}: expected a mapping, got {type(data).__name__} {data!r}")
@@ -150,23 +162,27 @@ class _Builder:
                 self.errors.append(f"{full}: unknown key{hint}")
         kwargs = {}
         for f in dataclasses.fields(cls):
+            default = copy.deepcopy(getattr(base, f.name)) if base is not None else _default(f)
             if f.name in data:
-                value = self.convert(data[f.name], hints[f.name], prefix + f.name)
+                sub_base = default if dataclasses.is_dataclass(default) else None
+                value = self.convert(data[f.name], hints[f.name], prefix + f.name, sub_base)
                 if value is not _INVALID:
                     kwargs[f.name] = value
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            elif default is dataclasses.MISSING:
                 self.errors.append(f"{prefix}{f.name}: required key is missing")
+            else:
+                kwargs[f.name] = default
         try:
             return cls(**kwargs)
         except TypeError:  # a required field was reported missing or invalid above
             return None
 
-    def convert(self, value: Any, tp: Any, key: str) -> Any:
+    def convert(self, value: Any, tp: Any, key: str, base: Any = None) -> Any:
         origin = get_origin(tp)
         if tp is Any:
             return value
         if origin in (Union, types.UnionType):
-            return self._union(value, tp, key)
+            return self._union(value, tp, key, base)
         if value is None:
             return self._bad(key, tp, value)
         if origin is Literal:
@@ -176,7 +192,7 @@ class _Builder:
             self.errors.append(f"{key}: must be one of [{allowed}], got {value!r}")
             return _INVALID
         if dataclasses.is_dataclass(tp):
-            built = self.build(tp, value, key + ".")
+            built = self.build(tp, value, key + ".", base)
             return _INVALID if built is None else built
         if origin is list:
             item = get_args(tp)[0]
@@ -202,13 +218,13 @@ class _Builder:
             return value if isinstance(value, str) else self._bad(key, tp, value)
         raise TypeError(f"config schema: unsupported type {tp!r} at {key}")  # a bug in the schema, not user input
 
-    def _union(self, value: Any, tp: Any, key: str) -> Any:
+    def _union(self, value: Any, tp: Any, key: str, base: Any) -> Any:
         args = get_args(tp)
         if value is None:
             return None if type(None) in args else self._bad(key, tp, value)
         options = [a for a in args if a is not type(None)]
         if len(options) == 1:
-            return self.convert(value, options[0], key)
+            return self.convert(value, options[0], key, base)
         for option in options:
             trial = _Builder.__new__(_Builder)
             trial.errors, trial.all_keys, trial.renames = [], self.all_keys, self.renames
@@ -315,31 +331,33 @@ def _show_default(value: Any) -> str:
     return text[:-4].strip() if text.endswith("...") else text
 
 
-def reference_rows(cls: type, verl_sections: dict[str, str], prefix: str = "") -> list[tuple[str, str, str, str, str]]:
-    """(key, type, default, verl key, help) for every leaf field, recursing into (optional) sub-sections."""
+def reference_rows(cls: type, verl_sections: dict[str, str | None], verl_keys: dict[str, str | None] | None = None,
+                   prefix: str = "", instance: Any = None) -> list[tuple[str, str, str, str, str]]:
+    """(key, type, default, verl key, help) for every leaf field, recursing into (optional) sub-sections.
+
+    Defaults come from `instance` where a section's default is a configured instance (critic.optim.lr = 1e-5).
+    The verl key is `verl_keys[key]` if listed, else the field's metadata resolved against its verl section.
+    """
+    verl_keys = verl_keys or {}
     rows = []
-    instance_defaults = {}
     for f in dataclasses.fields(cls):
         key = prefix + f.name
         tp = _hints(cls)[f.name]
         inner = _unwrap_optional(tp)
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = dataclasses.MISSING
-        instance_defaults[f.name] = default
+        default = getattr(instance, f.name) if instance is not None else _default(f)
         if dataclasses.is_dataclass(inner):
-            rows += reference_rows(inner, verl_sections, key + ".")
+            sub = default if dataclasses.is_dataclass(default) else None
+            rows += reference_rows(inner, verl_sections, verl_keys, key + ".", sub)
             continue
         verl = f.metadata.get("verl", SAME)
         section = verl_sections.get(prefix.rstrip("."))
-        if verl is None or (verl == SAME and section is None):
+        if key in verl_keys:
+            verl_key = verl_keys[key] or "—"
+        elif verl is None or (verl == SAME and section is None):
             verl_key = "—"
         elif verl == SAME:
-            verl_key = f"{section}.{f.name}" if section else f.name
-        elif "." in verl or section is None:
+            verl_key = f"{section}.{f.name}"
+        elif section is None:
             verl_key = verl
         else:
             verl_key = f"{section}.{verl}"
@@ -348,12 +366,12 @@ def reference_rows(cls: type, verl_sections: dict[str, str], prefix: str = "") -
     return rows
 
 
-def reference_table(cls: type, verl_sections: dict[str, str]) -> str:
+def reference_table(cls: type, verl_sections: dict[str, str | None], verl_keys: dict[str, str | None]) -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 
     lines = ["| key | type | default | verl equivalent | meaning |", "|---|---|---|---|---|"]
-    for key, tp, default, verl, help_text in reference_rows(cls, verl_sections):
+    for key, tp, default, verl, help_text in reference_rows(cls, verl_sections, verl_keys):
         lines.append(f"| `{key}` | {cell(tp)} | `{cell(default)}` | {cell(verl if verl == '—' else f'`{verl}`')} "
                      f"| {cell(help_text)} |")
     return "\n".join(lines) + "\n"
