@@ -1,0 +1,110 @@
+// torch bindings of the CUDA kernels (module megatron_ppo._kernels_cuda); built only where torch has CUDA.
+// Checks tensors, allocates outputs/workspace through torch's caching allocator, launches on the current stream.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+namespace {
+
+mppo_dtype float_code(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return MPPO_F32;
+    case at::kDouble: return MPPO_F64;
+    case at::kBFloat16: return MPPO_BF16;
+    default: TORCH_CHECK(false, name, " must be float32, float64 or bfloat16, got ", t.scalar_type());
+  }
+  return MPPO_F32;
+}
+
+void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == like.device(), name, " must be on ", like.device(), ", got ", t.device());
+}
+
+void check_rows(const at::Tensor& logits, const at::Tensor& target) {
+  TORCH_CHECK(logits.is_cuda(), "logits must be a CUDA tensor");
+  check_cuda(target, logits, "target_ids");
+  TORCH_CHECK(logits.dim() == 2, "logits must be [N, V_local], got ", logits.sizes());
+  TORCH_CHECK(logits.size(1) == 0 || logits.stride(1) == 1, "logits must be contiguous in the vocabulary dim");
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), "target_ids must be [N] with N = ",
+              logits.size(0), ", got ", target.sizes());
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous(), "target_ids must be contiguous int64");
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "megatron_ppo CUDA kernel ", what, " failed: ", cudaGetErrorString(err));
+}
+
+std::vector<at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& mask,
+                            double gamma, double lam, at::ScalarType out_dtype, int64_t algo) {
+  TORCH_CHECK(rewards.is_cuda(), "token_level_rewards must be a CUDA tensor");
+  check_cuda(values, rewards, "values");
+  check_cuda(mask, rewards, "response_mask");
+  TORCH_CHECK(rewards.dim() == 2, "token_level_rewards must be [B, T], got ", rewards.sizes());
+  TORCH_CHECK(values.sizes() == rewards.sizes() && mask.sizes() == rewards.sizes(),
+              "values and response_mask must have token_level_rewards' shape ", rewards.sizes());
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "response_mask must be bool here");
+  TORCH_CHECK(algo >= 0 && algo <= 2, "algo must be 0 (auto), 1 (serial) or 2 (scan)");
+  const c10::cuda::CUDAGuard guard(rewards.device());
+  auto r = rewards.contiguous();
+  auto v = values.contiguous();
+  auto m = mask.contiguous();
+  auto opts = rewards.options().dtype(out_dtype);
+  auto adv = at::empty(rewards.sizes(), opts);
+  auto ret = at::empty(rewards.sizes(), opts);
+  check_launch(mppo_cuda_gae(r.data_ptr(), float_code(r, "token_level_rewards"), v.data_ptr(), float_code(v, "values"),
+                             reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()), adv.data_ptr(), ret.data_ptr(),
+                             float_code(adv, "output dtype"), r.size(0), r.size(1), gamma, lam,
+                             static_cast<mppo_gae_algo>(algo), at::cuda::getCurrentCUDAStream()),
+               "gae");
+  return {adv, ret};
+}
+
+at::Tensor lse_partials(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start) {
+  check_rows(logits, target);
+  TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty vocabulary dim");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const auto dt = float_code(logits, "logits");
+  const int sm = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  auto out = at::empty({4, logits.size(0)}, logits.options().dtype(dt == MPPO_F64 ? at::kDouble : at::kFloat));
+  const size_t ws_bytes = mppo_cuda_lse_workspace_bytes(logits.size(0), logits.size(1), dt, sm);
+  auto ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));
+  check_launch(mppo_cuda_lse_partials(logits.data_ptr(), dt, logits.size(0), logits.size(1), logits.stride(0),
+                                      target.data_ptr<int64_t>(), vocab_start, out.data_ptr(),
+                                      ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, sm,
+                                      at::cuda::getCurrentCUDAStream()),
+               "lse_partials");
+  return out;
+}
+
+at::Tensor lse_backward(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
+                        const at::Tensor& log_z, const at::Tensor& entropy, const at::Tensor& grad_logp,
+                        const at::Tensor& grad_entropy) {
+  check_rows(logits, target);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const auto dt = float_code(logits, "logits");
+  const auto stats_dtype = dt == MPPO_F64 ? at::kDouble : at::kFloat;
+  std::vector<at::Tensor> rows;
+  for (const auto* t : {&log_z, &entropy, &grad_logp, &grad_entropy}) {
+    check_cuda(*t, logits, "row statistics");
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == logits.size(0), "row statistics must be [N]");
+    rows.push_back(t->to(stats_dtype).contiguous());
+  }
+  auto grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  check_launch(mppo_cuda_lse_backward(logits.data_ptr(), dt, logits.size(0), logits.size(1), logits.stride(0),
+                                      target.data_ptr<int64_t>(), vocab_start, rows[0].data_ptr(), rows[1].data_ptr(),
+                                      rows[2].data_ptr(), rows[3].data_ptr(), grad.data_ptr(),
+                                      at::cuda::getCurrentCUDAStream()),
+               "lse_backward");
+  return grad;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "megatron_ppo CUDA kernels: GAE and fused log-prob/entropy";
+  m.def("gae", &gae, "GAE advantages and returns (un-whitened, zero at masked positions); algo 0 auto 1 serial 2 scan");
+  m.def("lse_partials", &lse_partials, "per-row [4, N] (max, sum-exp, sum exp*shifted logit, target logit)");
+  m.def("lse_backward", &lse_backward, "grad wrt logits of g_lp*logp + g_ent*entropy");
+}

@@ -1,0 +1,35 @@
+// Device helpers shared by the CUDA kernels: typed loads/stores into the accumulation type, fast exp.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "../dtype.h"
+
+namespace mppo_cuda {
+
+template <typename Acc> __device__ __forceinline__ Acc to_acc(float x) { return static_cast<Acc>(x); }
+
+template <typename Acc> __device__ __forceinline__ Acc load(const float* p, int64_t i) { return static_cast<Acc>(p[i]); }
+template <typename Acc> __device__ __forceinline__ Acc load(const double* p, int64_t i) { return static_cast<Acc>(p[i]); }
+template <typename Acc> __device__ __forceinline__ Acc load(const uint16_t* p, int64_t i) {
+  return static_cast<Acc>(mppo_bf16_to_float(p[i]));
+}
+
+__device__ __forceinline__ void store(float* p, int64_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void store(float* p, int64_t i, double x) { p[i] = static_cast<float>(x); }
+__device__ __forceinline__ void store(double* p, int64_t i, double x) { p[i] = x; }
+__device__ __forceinline__ void store(double* p, int64_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void store(uint16_t* p, int64_t i, float x) { p[i] = mppo_float_to_bf16(x); }
+__device__ __forceinline__ void store(uint16_t* p, int64_t i, double x) { p[i] = mppo_float_to_bf16(static_cast<float>(x)); }
+
+// exp: the SFU approximation for float (relative error ~2^-21 on the arguments used here, all <= 0),
+// the accurate libdevice exp for double.
+__device__ __forceinline__ float fast_exp(float x) { return __expf(x); }
+__device__ __forceinline__ double fast_exp(double x) { return exp(x); }
+
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+inline unsigned int ceil_div(int64_t a, int64_t b) { return static_cast<unsigned int>((a + b - 1) / b); }
+
+}  // namespace mppo_cuda

@@ -1,0 +1,220 @@
+// GAE on the GPU, two algorithms (see kernels.h and docs/kernels.md):
+//   serial: one thread per sequence, the literal reverse recursion;
+//   scan:   one block per sequence. Step t maps the carried state s = (next_value, last_gae) from t+1 to t by an
+//           affine map with a lower-triangular linear part:
+//             valid:  N = v_t,  A = gamma N' + gamma lam A' + (r_t - v_t)     masked: identity
+//           Maps compose associatively, so each thread composes its ITEMS contiguous steps, a warp-shuffle suffix
+//           scan plus a serial pass over the warp totals gives every thread its right-boundary state, and the
+//           thread then replays its steps serially (bitwise the same recursion as serial inside a thread).
+//           Tiles of THREADS*ITEMS steps are walked from the end of the row, carrying the state.
+#include "common.cuh"
+#include "kernels.h"
+
+namespace mppo_cuda {
+namespace {
+
+// s = F(s') with N = a N' + b1, A = g N' + c A' + b2.
+template <typename Acc>
+struct Affine {
+  Acc a, g, c, b1, b2;
+};
+
+template <typename Acc>
+__device__ __forceinline__ Affine<Acc> identity() {
+  return {Acc(1), Acc(0), Acc(1), Acc(0), Acc(0)};
+}
+
+// f o h (apply h first).
+template <typename Acc>
+__device__ __forceinline__ Affine<Acc> compose(const Affine<Acc>& f, const Affine<Acc>& h) {
+  return {f.a * h.a, f.g * h.a + f.c * h.g, f.c * h.c, f.a * h.b1 + f.b1, f.g * h.b1 + f.c * h.b2 + f.b2};
+}
+
+template <typename Acc>
+__device__ __forceinline__ Affine<Acc> shfl_down(const Affine<Acc>& x, int offset) {
+  return {__shfl_down_sync(0xffffffffu, x.a, offset), __shfl_down_sync(0xffffffffu, x.g, offset),
+          __shfl_down_sync(0xffffffffu, x.c, offset), __shfl_down_sync(0xffffffffu, x.b1, offset),
+          __shfl_down_sync(0xffffffffu, x.b2, offset)};
+}
+
+template <typename Acc, typename R, typename V, typename O>
+__global__ void gae_serial_kernel(const R* __restrict__ rewards, const V* __restrict__ values,
+                                  const uint8_t* __restrict__ mask, O* __restrict__ adv, O* __restrict__ ret,
+                                  int64_t batch, int64_t length, Acc gamma, Acc gamma_lam) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= batch) return;
+  const int64_t row = b * length;
+  Acc next_value = 0, last_gae = 0;
+  for (int64_t t = length - 1; t >= 0; --t) {
+    const int64_t i = row + t;
+    if (mask[i]) {
+      const Acc v = load<Acc>(values, i);
+      last_gae = load<Acc>(rewards, i) + gamma * next_value - v + gamma_lam * last_gae;
+      next_value = v;
+      store(adv, i, last_gae);
+      store(ret, i, last_gae + v);
+    } else {
+      store(adv, i, Acc(0));
+      store(ret, i, Acc(0));
+    }
+  }
+}
+
+template <typename Acc, int THREADS, int ITEMS, typename R, typename V, typename O>
+__global__ void __launch_bounds__(THREADS) gae_scan_kernel(const R* __restrict__ rewards,
+                                                           const V* __restrict__ values,
+                                                           const uint8_t* __restrict__ mask, O* __restrict__ adv,
+                                                           O* __restrict__ ret, int64_t length, Acc gamma,
+                                                           Acc gamma_lam) {
+  constexpr int TILE = THREADS * ITEMS;
+  constexpr int WARPS = THREADS / 32;
+  __shared__ Acc s_r[TILE];  // rewards in, advantages out
+  __shared__ Acc s_v[TILE];  // values in, returns out
+  __shared__ uint8_t s_m[TILE];
+  __shared__ Affine<Acc> s_warp_total[WARPS];
+  __shared__ Acc s_warp_state[WARPS][2];
+  __shared__ Acc s_carry[2];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * length;
+  if (tid == 0) s_carry[0] = s_carry[1] = Acc(0);
+
+  for (int64_t tile_end = length; tile_end > 0; tile_end -= TILE) {
+    const int64_t tile_start = tile_end > TILE ? tile_end - TILE : 0;
+    const int n = static_cast<int>(tile_end - tile_start);
+    for (int i = tid; i < TILE; i += THREADS) {  // coalesced; padding = masked steps = identity maps
+      const bool inside = i < n;
+      const int64_t g = row + tile_start + i;
+      s_m[i] = inside ? mask[g] : 0;
+      s_r[i] = inside ? load<Acc>(rewards, g) : Acc(0);
+      s_v[i] = inside ? load<Acc>(values, g) : Acc(0);
+    }
+    __syncthreads();
+
+    const int first = tid * ITEMS;
+    Affine<Acc> mine = identity<Acc>();
+#pragma unroll
+    for (int j = ITEMS - 1; j >= 0; --j) {
+      if (s_m[first + j]) {
+        const Affine<Acc> step = {Acc(0), gamma, gamma_lam, s_v[first + j], s_r[first + j] - s_v[first + j]};
+        mine = compose(step, mine);
+      }
+    }
+    Affine<Acc> suffix = mine;  // inclusive suffix composition within the warp: lane .. 31
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const Affine<Acc> other = shfl_down(suffix, offset);
+      if (lane + offset < 32) suffix = compose(suffix, other);
+    }
+    Affine<Acc> after_me = shfl_down(suffix, 1);
+    if (lane == 31) after_me = identity<Acc>();
+    if (lane == 0) s_warp_total[warp] = suffix;
+    __syncthreads();
+    if (tid == 0) {  // WARPS serial steps: the state at each warp's right boundary, and the next tile's carry
+      Acc n_state = s_carry[0], a_state = s_carry[1];
+      for (int w = WARPS - 1; w >= 0; --w) {
+        s_warp_state[w][0] = n_state;
+        s_warp_state[w][1] = a_state;
+        const Affine<Acc>& f = s_warp_total[w];
+        const Acc next_n = f.a * n_state + f.b1;
+        a_state = f.g * n_state + f.c * a_state + f.b2;
+        n_state = next_n;
+      }
+      s_carry[0] = n_state;
+      s_carry[1] = a_state;
+    }
+    __syncthreads();
+    const Acc wn = s_warp_state[warp][0], wa = s_warp_state[warp][1];
+    Acc next_value = after_me.a * wn + after_me.b1;
+    Acc last_gae = after_me.g * wn + after_me.c * wa + after_me.b2;
+#pragma unroll
+    for (int j = ITEMS - 1; j >= 0; --j) {
+      const int i = first + j;
+      if (s_m[i]) {
+        const Acc v = s_v[i];
+        last_gae = s_r[i] + gamma * next_value - v + gamma_lam * last_gae;
+        next_value = v;
+        s_r[i] = last_gae;
+        s_v[i] = last_gae + v;
+      } else {
+        s_r[i] = Acc(0);
+        s_v[i] = Acc(0);
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < n; i += THREADS) {
+      const int64_t g = row + tile_start + i;
+      store(adv, g, s_r[i]);
+      store(ret, g, s_v[i]);
+    }
+    __syncthreads();  // smem is reused by the next tile
+  }
+}
+
+constexpr int kScanThreads = 256;
+constexpr int kScanItems = 4;
+constexpr int kSerialThreads = 128;
+
+template <typename Acc, typename R, typename V, typename O>
+cudaError_t launch(const R* r, const V* v, const uint8_t* m, O* adv, O* ret, int64_t batch, int64_t length,
+                   double gamma, double lam, mppo_gae_algo algo, cudaStream_t stream) {
+  const Acc g = static_cast<Acc>(gamma), gl = static_cast<Acc>(gamma * lam);
+  if (algo == MPPO_GAE_SERIAL) {
+    gae_serial_kernel<Acc><<<ceil_div(batch, kSerialThreads), kSerialThreads, 0, stream>>>(r, v, m, adv, ret, batch,
+                                                                                           length, g, gl);
+  } else {
+    gae_scan_kernel<Acc, kScanThreads, kScanItems><<<static_cast<unsigned int>(batch), kScanThreads, 0, stream>>>(
+        r, v, m, adv, ret, length, g, gl);
+  }
+  return cudaGetLastError();
+}
+
+template <typename R, typename V>
+cudaError_t dispatch_out(const R* r, const V* v, const uint8_t* m, void* adv, void* ret, mppo_dtype out, int64_t b,
+                         int64_t t, double g, double l, mppo_gae_algo algo, cudaStream_t s) {
+  switch (out) {
+    case MPPO_F32:
+      return launch<float>(r, v, m, static_cast<float*>(adv), static_cast<float*>(ret), b, t, g, l, algo, s);
+    case MPPO_F64:
+      return launch<double>(r, v, m, static_cast<double*>(adv), static_cast<double*>(ret), b, t, g, l, algo, s);
+    case MPPO_BF16:
+      return launch<float>(r, v, m, static_cast<uint16_t*>(adv), static_cast<uint16_t*>(ret), b, t, g, l, algo, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename R>
+cudaError_t dispatch_values(const R* r, const void* v, mppo_dtype vt, const uint8_t* m, void* adv, void* ret,
+                            mppo_dtype out, int64_t b, int64_t t, double g, double l, mppo_gae_algo algo,
+                            cudaStream_t s) {
+  switch (vt) {
+    case MPPO_F32: return dispatch_out(r, static_cast<const float*>(v), m, adv, ret, out, b, t, g, l, algo, s);
+    case MPPO_F64: return dispatch_out(r, static_cast<const double*>(v), m, adv, ret, out, b, t, g, l, algo, s);
+    case MPPO_BF16: return dispatch_out(r, static_cast<const uint16_t*>(v), m, adv, ret, out, b, t, g, l, algo, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+}  // namespace mppo_cuda
+
+extern "C" cudaError_t mppo_cuda_gae(const void* rewards, mppo_dtype rt, const void* values, mppo_dtype vt,
+                                     const uint8_t* mask, void* adv, void* ret, mppo_dtype out, int64_t batch,
+                                     int64_t length, double gamma, double lam, mppo_gae_algo algo,
+                                     cudaStream_t stream) {
+  using namespace mppo_cuda;
+  if (batch == 0 || length == 0) return cudaSuccess;
+  if (algo == MPPO_GAE_AUTO) algo = MPPO_GAE_SCAN;  // measured choice: docs/kernels.md
+  switch (rt) {
+    case MPPO_F32:
+      return dispatch_values(static_cast<const float*>(rewards), values, vt, mask, adv, ret, out, batch, length,
+                             gamma, lam, algo, stream);
+    case MPPO_F64:
+      return dispatch_values(static_cast<const double*>(rewards), values, vt, mask, adv, ret, out, batch, length,
+                             gamma, lam, algo, stream);
+    case MPPO_BF16:
+      return dispatch_values(static_cast<const uint16_t*>(rewards), values, vt, mask, adv, ret, out, batch, length,
+                             gamma, lam, algo, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}

@@ -1,0 +1,317 @@
+// Fused log-prob + entropy statistics and gradient on the GPU. One pass over the logits: every thread keeps an
+// online (max, sum exp, sum exp * shifted logit) triple, blocks merge triples with warp shuffles, and rows are split
+// over several blocks only when there are too few rows to fill the GPU (a second tiny kernel merges the splits).
+// Loads and stores are 16-byte vectors when the row is 16-byte aligned.
+#include <math_constants.h>
+
+#include "common.cuh"
+#include "kernels.h"
+
+namespace mppo_cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMinElementsPerBlock = 16384;
+constexpr int kBlocksPerSm = 4;
+
+template <typename T> struct Vec16 { static constexpr int N = 16 / sizeof(T); };
+
+template <typename T>
+union Pack16 {
+  uint4 raw;
+  T e[Vec16<T>::N];
+};
+
+template <typename Acc> __device__ __forceinline__ Acc elem(float x) { return static_cast<Acc>(x); }
+template <typename Acc> __device__ __forceinline__ Acc elem(double x) { return static_cast<Acc>(x); }
+template <typename Acc> __device__ __forceinline__ Acc elem(uint16_t x) { return static_cast<Acc>(mppo_bf16_to_float(x)); }
+
+template <typename Acc>
+struct Triple {
+  Acc m, s, w;  // max, sum exp(x - m), sum exp(x - m) (x - m)
+};
+
+template <typename Acc>
+__device__ __forceinline__ Acc neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return -CUDART_INF_F; }
+template <> __device__ __forceinline__ double neg_inf<double>() { return -CUDART_INF; }
+
+template <typename Acc>
+__device__ __forceinline__ void online_add(Triple<Acc>& t, Acc x) {
+  if (x > t.m) {  // rescale what was summed so far onto the new max (rare after the first elements)
+    const Acc shift = t.m - x;  // <= 0; -inf on the first finite element
+    const Acc scale = fast_exp(shift);
+    t.w = t.s > Acc(0) ? scale * (t.w + shift * t.s) : Acc(0);
+    t.s *= scale;
+    t.m = x;
+  }
+  const Acc d = x - t.m;
+  const Acc e = fast_exp(d);
+  t.s += e;
+  t.w += e > Acc(0) ? e * d : Acc(0);  // guards 0 * -inf; NaN still reaches t.s
+}
+
+template <typename Acc>
+__device__ __forceinline__ Triple<Acc> merge(const Triple<Acc>& x, const Triple<Acc>& y) {
+  const Acc m = x.m > y.m ? x.m : y.m;
+  if (m == neg_inf<Acc>()) return {m, x.s + y.s, Acc(0)};  // empty/-inf rows: 0; NaN (seen only in s) survives
+  Triple<Acc> out{m, Acc(0), Acc(0)};
+  if (x.s > Acc(0) || x.s != x.s) {
+    const Acc shift = x.m - m, scale = fast_exp(shift);
+    out.s += scale * x.s;
+    out.w += scale * (x.w + shift * x.s);
+  }
+  if (y.s > Acc(0) || y.s != y.s) {
+    const Acc shift = y.m - m, scale = fast_exp(shift);
+    out.s += scale * y.s;
+    out.w += scale * (y.w + shift * y.s);
+  }
+  return out;
+}
+
+template <typename Acc>
+__device__ __forceinline__ Triple<Acc> block_merge(Triple<Acc> t) {
+  __shared__ Triple<Acc> s_warp[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    Triple<Acc> o{__shfl_down_sync(0xffffffffu, t.m, offset), __shfl_down_sync(0xffffffffu, t.s, offset),
+                  __shfl_down_sync(0xffffffffu, t.w, offset)};
+    t = merge(t, o);
+  }
+  if (lane == 0) s_warp[warp] = t;
+  __syncthreads();
+  if (warp == 0) {
+    t = lane < kThreads / 32 ? s_warp[lane] : Triple<Acc>{neg_inf<Acc>(), Acc(0), Acc(0)};
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      Triple<Acc> o{__shfl_down_sync(0xffffffffu, t.m, offset), __shfl_down_sync(0xffffffffu, t.s, offset),
+                    __shfl_down_sync(0xffffffffu, t.w, offset)};
+      t = merge(t, o);
+    }
+  }
+  return t;  // valid in thread 0
+}
+
+// Rows split into gridDim.y chunks of `chunk` elements (a multiple of kThreads * 16-byte vector).
+// splits == 1: writes out[4, N] directly; else partial[row][split] = (m, s, w), merged by merge_splits_kernel.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kThreads) lse_partials_kernel(const T* __restrict__ logits, int64_t n_rows,
+                                                               int64_t vocab, int64_t row_stride, int64_t chunk,
+                                                               const int64_t* __restrict__ target,
+                                                               int64_t vocab_start, Acc* __restrict__ out,
+                                                               Acc* __restrict__ partial) {
+  constexpr int VEC = Vec16<T>::N;
+  const int64_t row = blockIdx.x;
+  const int64_t start = static_cast<int64_t>(blockIdx.y) * chunk;
+  const int64_t stop = start + chunk < vocab ? start + chunk : vocab;
+  const T* x = logits + row * row_stride;
+  Triple<Acc> t{neg_inf<Acc>(), Acc(0), Acc(0)};
+  int64_t scalar_from = start;
+  if ((reinterpret_cast<uintptr_t>(x + start) & 15) == 0) {
+    const int64_t n_vec = (stop - start) / VEC;
+    const uint4* xv = reinterpret_cast<const uint4*>(x + start);
+    for (int64_t k = threadIdx.x; k < n_vec; k += kThreads) {
+      Pack16<T> p;
+      p.raw = __ldg(xv + k);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) online_add(t, elem<Acc>(p.e[e]));
+    }
+    scalar_from = start + n_vec * VEC;
+  }
+  for (int64_t j = scalar_from + threadIdx.x; j < stop; j += kThreads) online_add(t, elem<Acc>(x[j]));
+  t = block_merge(t);
+  if (threadIdx.x != 0) return;
+  if (gridDim.y == 1) {
+    const int64_t local = target[row] - vocab_start;
+    out[row] = t.m;
+    out[n_rows + row] = t.s;
+    out[2 * n_rows + row] = t.w;
+    out[3 * n_rows + row] = (local >= 0 && local < vocab) ? elem<Acc>(x[local]) : Acc(0);
+  } else {
+    Acc* p = partial + (row * gridDim.y + blockIdx.y) * 3;
+    p[0] = t.m;
+    p[1] = t.s;
+    p[2] = t.w;
+  }
+}
+
+template <typename T, typename Acc>
+__global__ void merge_splits_kernel(const T* __restrict__ logits, int64_t n_rows, int64_t vocab, int64_t row_stride,
+                                    int splits, const int64_t* __restrict__ target, int64_t vocab_start,
+                                    const Acc* __restrict__ partial, Acc* __restrict__ out) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= n_rows) return;
+  Triple<Acc> t{neg_inf<Acc>(), Acc(0), Acc(0)};
+  for (int k = 0; k < splits; ++k) {
+    const Acc* p = partial + (row * splits + k) * 3;
+    t = merge(t, Triple<Acc>{p[0], p[1], p[2]});
+  }
+  const int64_t local = target[row] - vocab_start;
+  out[row] = t.m;
+  out[n_rows + row] = t.s;
+  out[2 * n_rows + row] = t.w;
+  out[3 * n_rows + row] = (local >= 0 && local < vocab) ? elem<Acc>(logits[row * row_stride + local]) : Acc(0);
+}
+
+template <typename T, typename Acc>
+__device__ __forceinline__ Acc grad_elem(Acc x, Acc log_z, Acc shift, Acc g_lp, Acc g_ent, bool is_target) {
+  const Acc p = fast_exp(x - log_z);
+  const Acc g = p == Acc(0) ? Acc(0) : -p * (g_lp + g_ent * (x + shift));
+  return is_target ? g + g_lp : g;
+}
+
+template <typename T>
+__device__ __forceinline__ T to_elem(float x);
+template <> __device__ __forceinline__ float to_elem<float>(float x) { return x; }
+template <> __device__ __forceinline__ uint16_t to_elem<uint16_t>(float x) { return mppo_float_to_bf16(x); }
+template <typename T>
+__device__ __forceinline__ T to_elem(double x);
+template <> __device__ __forceinline__ double to_elem<double>(double x) { return x; }
+
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kThreads) lse_backward_kernel(const T* __restrict__ logits, int64_t vocab,
+                                                               int64_t row_stride, int64_t chunk,
+                                                               const int64_t* __restrict__ target,
+                                                               int64_t vocab_start, const Acc* __restrict__ log_z,
+                                                               const Acc* __restrict__ entropy,
+                                                               const Acc* __restrict__ grad_logp,
+                                                               const Acc* __restrict__ grad_entropy,
+                                                               T* __restrict__ grad) {
+  constexpr int VEC = Vec16<T>::N;
+  const int64_t row = blockIdx.x;
+  const int64_t start = static_cast<int64_t>(blockIdx.y) * chunk;
+  const int64_t stop = start + chunk < vocab ? start + chunk : vocab;
+  const T* x = logits + row * row_stride;
+  T* g = grad + row * vocab;
+  const Acc lz = log_z[row], shift = entropy[row] - log_z[row], glp = grad_logp[row], gent = grad_entropy[row];
+  const int64_t local = target[row] - vocab_start;
+  int64_t scalar_from = start;
+  if (((reinterpret_cast<uintptr_t>(x + start) | reinterpret_cast<uintptr_t>(g + start)) & 15) == 0) {
+    const int64_t n_vec = (stop - start) / VEC;
+    const uint4* xv = reinterpret_cast<const uint4*>(x + start);
+    uint4* gv = reinterpret_cast<uint4*>(g + start);
+    for (int64_t k = threadIdx.x; k < n_vec; k += kThreads) {
+      Pack16<T> in, out;
+      in.raw = __ldg(xv + k);
+      const int64_t j0 = start + k * VEC;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e)
+        out.e[e] = to_elem<T>(grad_elem<T, Acc>(elem<Acc>(in.e[e]), lz, shift, glp, gent, j0 + e == local));
+      gv[k] = out.raw;
+    }
+    scalar_from = start + n_vec * VEC;
+  }
+  for (int64_t j = scalar_from + threadIdx.x; j < stop; j += kThreads)
+    g[j] = to_elem<T>(grad_elem<T, Acc>(elem<Acc>(x[j]), lz, shift, glp, gent, j == local));
+}
+
+// Blocks per row: enough blocks in total to fill the GPU, never fewer than kMinElementsPerBlock per block.
+int64_t chunk_for(int64_t n_rows, int64_t vocab, int sm_count) {
+  const int64_t quantum = static_cast<int64_t>(kThreads) * 8;
+  const int64_t want_blocks = static_cast<int64_t>(sm_count > 0 ? sm_count : 132) * kBlocksPerSm;
+  int64_t splits = n_rows >= want_blocks ? 1 : (want_blocks + n_rows - 1) / n_rows;
+  const int64_t max_splits = (vocab + kMinElementsPerBlock - 1) / kMinElementsPerBlock;
+  if (splits > max_splits) splits = max_splits;
+  if (splits < 1) splits = 1;
+  if (splits > 65535) splits = 65535;
+  int64_t chunk = (vocab + splits - 1) / splits;
+  chunk = (chunk + quantum - 1) / quantum * quantum;
+  return chunk > 0 ? chunk : quantum;
+}
+
+template <typename T, typename Acc>
+cudaError_t launch_partials(const T* logits, int64_t n_rows, int64_t vocab, int64_t row_stride, const int64_t* target,
+                            int64_t vocab_start, Acc* out, void* workspace, size_t workspace_bytes, int sm_count,
+                            cudaStream_t stream) {
+  const int64_t chunk = chunk_for(n_rows, vocab, sm_count);
+  const unsigned int splits = ceil_div(vocab, chunk);
+  if (splits > 1 && workspace_bytes < static_cast<size_t>(n_rows) * splits * 3 * sizeof(Acc))
+    return cudaErrorInvalidValue;
+  Acc* partial = static_cast<Acc*>(workspace);
+  const dim3 grid(static_cast<unsigned int>(n_rows), splits > 0 ? splits : 1);
+  lse_partials_kernel<T, Acc><<<grid, kThreads, 0, stream>>>(logits, n_rows, vocab, row_stride, chunk, target,
+                                                             vocab_start, out, partial);
+  if (splits > 1) {
+    merge_splits_kernel<T, Acc><<<ceil_div(n_rows, 128), 128, 0, stream>>>(logits, n_rows, vocab, row_stride,
+                                                                         static_cast<int>(splits), target,
+                                                                         vocab_start, partial, out);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T, typename Acc>
+cudaError_t launch_backward(const T* logits, int64_t n_rows, int64_t vocab, int64_t row_stride, const int64_t* target,
+                            int64_t vocab_start, const void* log_z, const void* entropy, const void* g_lp,
+                            const void* g_ent, T* grad, int sm_count, cudaStream_t stream) {
+  const int64_t chunk = chunk_for(n_rows, vocab, sm_count);
+  const dim3 grid(static_cast<unsigned int>(n_rows), ceil_div(vocab, chunk));
+  lse_backward_kernel<T, Acc><<<grid, kThreads, 0, stream>>>(
+      logits, vocab, row_stride, chunk, target, vocab_start, static_cast<const Acc*>(log_z),
+      static_cast<const Acc*>(entropy), static_cast<const Acc*>(g_lp), static_cast<const Acc*>(g_ent), grad);
+  return cudaGetLastError();
+}
+
+int current_sm_count() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 132;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 132;
+  return count;
+}
+
+}  // namespace
+}  // namespace mppo_cuda
+
+extern "C" size_t mppo_cuda_lse_workspace_bytes(int64_t n_rows, int64_t vocab, mppo_dtype dtype, int sm_count) {
+  const int64_t chunk = mppo_cuda::chunk_for(n_rows, vocab, sm_count);
+  const int64_t splits = (vocab + chunk - 1) / chunk;
+  if (splits <= 1) return 0;
+  const size_t acc = dtype == MPPO_F64 ? sizeof(double) : sizeof(float);
+  return static_cast<size_t>(n_rows) * splits * 3 * acc;
+}
+
+extern "C" cudaError_t mppo_cuda_lse_partials(const void* logits, mppo_dtype dtype, int64_t n_rows, int64_t vocab,
+                                              int64_t row_stride, const int64_t* target, int64_t vocab_start,
+                                              void* out, void* workspace, size_t workspace_bytes, int sm_count,
+                                              cudaStream_t stream) {
+  using namespace mppo_cuda;
+  if (n_rows == 0) return cudaSuccess;
+  if (n_rows > 0x7fffffff || vocab <= 0) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case MPPO_F32:
+      return launch_partials(static_cast<const float*>(logits), n_rows, vocab, row_stride, target, vocab_start,
+                             static_cast<float*>(out), workspace, workspace_bytes, sm_count, stream);
+    case MPPO_BF16:
+      return launch_partials(static_cast<const uint16_t*>(logits), n_rows, vocab, row_stride, target, vocab_start,
+                             static_cast<float*>(out), workspace, workspace_bytes, sm_count, stream);
+    case MPPO_F64:
+      return launch_partials(static_cast<const double*>(logits), n_rows, vocab, row_stride, target, vocab_start,
+                             static_cast<double*>(out), workspace, workspace_bytes, sm_count, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" cudaError_t mppo_cuda_lse_backward(const void* logits, mppo_dtype dtype, int64_t n_rows, int64_t vocab,
+                                              int64_t row_stride, const int64_t* target, int64_t vocab_start,
+                                              const void* log_z, const void* entropy, const void* grad_logp,
+                                              const void* grad_entropy, void* grad_logits, cudaStream_t stream) {
+  using namespace mppo_cuda;
+  if (n_rows == 0 || vocab == 0) return cudaSuccess;
+  if (n_rows > 0x7fffffff) return cudaErrorInvalidValue;
+  const int sm = current_sm_count();
+  switch (dtype) {
+    case MPPO_F32:
+      return launch_backward<float, float>(static_cast<const float*>(logits), n_rows, vocab, row_stride, target,
+                                           vocab_start, log_z, entropy, grad_logp, grad_entropy,
+                                           static_cast<float*>(grad_logits), sm, stream);
+    case MPPO_BF16:
+      return launch_backward<uint16_t, float>(static_cast<const uint16_t*>(logits), n_rows, vocab, row_stride,
+                                              target, vocab_start, log_z, entropy, grad_logp, grad_entropy,
+                                              static_cast<uint16_t*>(grad_logits), sm, stream);
+    case MPPO_F64:
+      return launch_backward<double, double>(static_cast<const double*>(logits), n_rows, vocab, row_stride, target,
+                                             vocab_start, log_z, entropy, grad_logp, grad_entropy,
+                                             static_cast<double*>(grad_logits), sm, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
