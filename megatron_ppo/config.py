@@ -35,13 +35,17 @@ ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
 
 @dataclass
 class PreprocessConfig:
+    """Inputs the train command builds itself (megatron_ppo.data.preprocess / data.tokenizer), for the tiny default."""
+
     dataset: Optional[Literal["gsm8k"]] = field(None, "raw dataset converted by `megatron-ppo preprocess` when "
                                                 "data.train_files do not exist yet; null: off", None)
-    input_dir: Optional[str] = field(None, "raw files (gsm8k: train.jsonl, test.jsonl)", None)
-    output_dir: Optional[str] = field(None, "where the verl-schema parquet files are written", None)
-    build_tokenizer: bool = field(False, "build a byte-level BPE tokenizer from the raw text into "
-                                  "actor.model.tokenizer_path if it does not exist", None)
-    tokenizer_vocab_size: int = field(2048, "vocabulary size of the built tokenizer", None)
+    input_dir: Optional[str] = field(None, "raw files (gsm8k: train.jsonl, test.jsonl); null: $MEGATRON_PPO_GSM8K_DIR, "
+                                     "else ../shared/data/gsm8k beside the repository", None)
+    output_dir: Optional[str] = field(None, "where the verl-schema parquet files (and a built tokenizer) go", None)
+    build_tokenizer: bool = field(False, "build a byte-level BPE tokenizer from the raw GSM8K text (cached in "
+                                  "output_dir, keyed by its inputs) and use it; needs actor.model.tokenizer_path null",
+                                  None)
+    tokenizer_vocab_size: int = field(4096, "vocabulary size of the built tokenizer", None)
 
 
 @dataclass
@@ -360,9 +364,6 @@ class PPOConfig:
         return ModelConfig(path=base.path, arch=base.arch, tokenizer_path=own.tokenizer_path or base.tokenizer_path,
                            dtype=own.dtype, recompute_granularity=own.recompute_granularity,
                            recompute_method=own.recompute_method, recompute_num_layers=own.recompute_num_layers)
-
-    def tokenizer_path(self) -> Optional[str]:
-        return self.actor.model.tokenizer_path or self.actor.model.path
 
 
 # verl's section for each of ours (docs table) and verl spellings that we accept nowhere but recognise in errors.

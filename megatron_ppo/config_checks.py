@@ -65,14 +65,12 @@ def _data(cfg: PPOConfig, errs: _Errors) -> None:
         errs.check(bool(d.train_files), "data.train_files", "required when rollout.mode=online "
                    "(one or more verl-schema prompt parquet files)")
     p = d.preprocess
-    if p.dataset is not None:
-        errs.check(p.input_dir is not None, "data.preprocess.input_dir", f"required with data.preprocess.dataset="
-                   f"{p.dataset}")
-        errs.check(p.output_dir is not None, "data.preprocess.output_dir", f"required with "
-                   f"data.preprocess.dataset={p.dataset}")
+    if p.dataset is not None or p.build_tokenizer:
+        errs.check(p.output_dir is not None, "data.preprocess.output_dir", "required with data.preprocess.dataset "
+                   "or data.preprocess.build_tokenizer (where the built files go)")
     if p.build_tokenizer:
-        errs.check(cfg.actor.model.tokenizer_path is not None, "actor.model.tokenizer_path",
-                   "required with data.preprocess.build_tokenizer=true (where the tokenizer is written)")
+        errs.check(cfg.actor.model.tokenizer_path is None, "actor.model.tokenizer_path", "must be null with "
+                   "data.preprocess.build_tokenizer=true (the built tokenizer is used); set one of the two")
     errs.check(p.tokenizer_vocab_size >= 256, "data.preprocess.tokenizer_vocab_size",
                f"must be >= 256 (the byte alphabet), got {p.tokenizer_vocab_size}")
 
@@ -90,9 +88,10 @@ def _models(cfg: PPOConfig, errs: _Errors) -> None:
             _arch(f"{owner}.arch", arch, getattr(cfg.cluster, role), f"cluster.{role}", cfg, errs)
     errs.check(bool(cfg.actor.model.path or cfg.actor.model.arch), "actor.model",
                "set path (HF model directory) or arch (inline architecture)")
-    if cfg.actor.model.arch is not None and not cfg.actor.model.path:
+    if cfg.actor.model.arch is not None and not cfg.actor.model.path and not cfg.data.preprocess.build_tokenizer:
         errs.check(cfg.actor.model.tokenizer_path is not None, "actor.model.tokenizer_path",
-                   "required when actor.model.arch is inline (there is no HF directory to read a tokenizer from)")
+                   "required when actor.model.arch is inline (there is no HF directory to read a tokenizer from) "
+                   "unless data.preprocess.build_tokenizer=true")
     rm = cfg.reward.reward_model
     if rm.enable:
         errs.check(bool(rm.model.path or rm.model.arch), "reward.reward_model.model",

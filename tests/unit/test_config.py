@@ -167,12 +167,30 @@ def test_tiny_cpu_is_tiny_and_points_at_the_real_gsm8k_files():
     assert (arch.num_layers, arch.hidden_size) == (2, 64)
     assert cfg.cluster.device == "cpu" and cfg.cluster.world_size <= 2 and cfg.actor.model.dtype == "float32"
     assert cfg.trainer.total_training_steps is not None and cfg.trainer.total_training_steps <= 8
-    raw = REPO / cfg.data.preprocess.input_dir  # relative paths are relative to the repository root (make train)
+    from megatron_ppo.data.gsm8k import default_gsm8k_dir
+
+    assert cfg.data.preprocess.input_dir is None  # the data area's default location: the real files
+    raw = default_gsm8k_dir()
     assert (raw / "train.jsonl").is_file() and (raw / "test.jsonl").is_file()
     out = Path(cfg.data.preprocess.output_dir)
     assert not out.is_absolute() and out.parts[0] == "outputs"
-    assert all(Path(f).parent == out for f in cfg.data.train_files + cfg.data.val_files)
+    assert [Path(f).name for f in cfg.data.train_files + cfg.data.val_files] == ["train.parquet", "test.parquet"]
+    assert all(Path(f).parent == out for f in cfg.data.train_files + cfg.data.val_files)  # where preprocess writes
+    assert cfg.data.preprocess.build_tokenizer and cfg.actor.model.tokenizer_path is None
     assert cfg.model_for("critic").arch == arch and cfg.model_for("ref").arch == arch
+
+
+def test_tiny_cpu_reward_and_data_sections_feed_the_data_area():
+    from megatron_ppo.data.prompt_dataset import overlong_policy_from_verl
+    from megatron_ppo.rewards.batch import RewardScorer
+
+    cfg = load_config("tiny_cpu")
+    assert overlong_policy_from_verl(cfg.data.filter_overlong_prompts, cfg.data.truncation) == "filter"
+    for truncation in ("error", "left", "right"):  # every value the config allows is one the dataset accepts
+        overlong_policy_from_verl(False, truncation)
+    scorer = RewardScorer.from_config(cfg.reward, cfg.data.max_response_length)
+    out = scorer(["so the answer is #### 72", "#### 71"], ["openai/gsm8k"] * 2, ["72", "72"])
+    assert [float(x) for x in out.scores] == [1.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------- schema parity
@@ -287,7 +305,6 @@ def test_derived_properties():
     assert cfg.use_critic
     t = load_config("gsm8k_ppo").trainer
     assert t.expand(t.default_local_dir) == "checkpoints/megatron_ppo/gsm8k_ppo"
-    assert load_config("tiny_cpu").tokenizer_path() == "outputs/tiny_cpu/tokenizer"
 
 
 # ---------------------------------------------------------------------------------------------- one test per rule
@@ -382,10 +399,10 @@ RULES = [
     ("actor_model_missing", "tiny_cpu", ["actor.model.arch=null"],
      ["actor.model: set path (HF model directory) or arch"]),
     ("model_path_and_arch", "tiny_cpu", ["actor.model.path=models/x"], ["actor.model: set either path", "not both"]),
-    ("inline_arch_needs_tokenizer", "tiny_cpu", ["data.preprocess.build_tokenizer=false", "actor.model.tokenizer_path=null"],
+    ("inline_arch_needs_tokenizer", "tiny_cpu", ["data.preprocess.build_tokenizer=false"],
      ["actor.model.tokenizer_path: required when actor.model.arch is inline"]),
-    ("built_tokenizer_needs_a_path", "tiny_cpu", ["actor.model.tokenizer_path=null"],
-     ["actor.model.tokenizer_path: required with data.preprocess.build_tokenizer=true"]),
+    ("built_tokenizer_or_a_path", "tiny_cpu", ["actor.model.tokenizer_path=tok/"],
+     ["actor.model.tokenizer_path: must be null with data.preprocess.build_tokenizer=true"]),
     ("reward_model_needs_a_model", "tiny_cpu", ["reward.reward_model.enable=true"],
      ["reward.reward_model.model: set path or arch"]),
     ("reward_model_micro_batch_positive", "tiny_cpu", ["reward.reward_model.micro_batch_size_per_gpu=0"],
@@ -427,10 +444,8 @@ RULES = [
     ("val_max_samples", "tiny_cpu", ["data.val_max_samples=-5"], ["data.val_max_samples: must be -1 (all) or >= 1"]),
     ("prompt_key_empty", "tiny_cpu", ["data.prompt_key=''"], ["data.prompt_key: must be a column name"]),
     ("reward_fn_key_empty", "tiny_cpu", ["data.reward_fn_key=''"], ["data.reward_fn_key: must be a column name"]),
-    ("preprocess_needs_input_dir", "tiny_cpu", ["data.preprocess.input_dir=null"],
-     ["data.preprocess.input_dir: required with data.preprocess.dataset=gsm8k"]),
     ("preprocess_needs_output_dir", "tiny_cpu", ["data.preprocess.output_dir=null"],
-     ["data.preprocess.output_dir: required with data.preprocess.dataset=gsm8k"]),
+     ["data.preprocess.output_dir: required with data.preprocess.dataset or data.preprocess.build_tokenizer"]),
     ("tokenizer_vocab_too_small", "tiny_cpu", ["data.preprocess.tokenizer_vocab_size=100"],
      ["data.preprocess.tokenizer_vocab_size: must be >= 256"]),
     # rollout
