@@ -1,0 +1,177 @@
+"""Log-probabilities and entropy of target tokens from vocab-parallel logits (sharded over TP), fwd + bwd.
+
+Each TP rank holds logits[:, start:end] of the padded vocab. Per token, only scalars cross ranks: the max (MAX
+all-reduce), then sum exp(x - max), sum exp(x - max) * x and the target's logit (one SUM all-reduce). The backward
+needs no communication: with p = softmax(x) and sum_px = sum_j p_j x_j,
+    d logp_t / dx_j = 1[j = t] - p_j,      d H / dx_j = -p_j (x_j - sum_px),
+evaluated on the local shard from the saved per-token scalars. Tokens are processed in chunks so the fp32
+working set stays chunk_size x V/TP. Vocab entries at or beyond ``vocab_size`` (megatron's padding) are masked.
+
+With TP = 1 and no vocab padding, the computation is routed through ``megatron_ppo.ops`` when it provides the
+TP-decomposed pieces (see ``_ops_pieces``); otherwise the torch path below runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK = 4096
+
+
+def _tp_info(tp_group):
+    if tp_group is None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+    if tp_group is None or not dist.is_initialized():
+        return None, 0, 1
+    return tp_group, dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def _chunk_stats(x, targets, vocab_start, vocab_size, group, world):
+    """Global per-token (max, sum_exp, sum_exp_x, target_logit) for one chunk x: [n, V_local] fp32 (scaled)."""
+    v_local = x.shape[-1]
+    col = torch.arange(vocab_start, vocab_start + v_local, device=x.device)
+    valid_col = col < vocab_size
+    if not bool(valid_col.all()):
+        x = x.masked_fill(~valid_col, float("-inf"))
+    local_max = x.max(dim=-1).values
+    if world > 1:
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+    m = local_max
+    e = torch.exp(x - m.unsqueeze(-1))
+    x0 = torch.where(valid_col, x, torch.zeros_like(x))
+    in_shard = (targets >= vocab_start) & (targets < vocab_start + v_local)
+    local_t = (targets - vocab_start).clamp(0, v_local - 1)
+    t_logit = torch.where(in_shard, x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1), torch.zeros_like(m))
+    sums = torch.stack([e.sum(-1), (e * x0).sum(-1), t_logit], dim=0)
+    if world > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    return m, sums[0], sums[1], sums[2]
+
+
+def _compute_dtype(logits):
+    """fp32 for half/bf16/fp32 logits; fp64 stays fp64 (reference checks)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+class _VocabParallelLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, vocab_size, temperature, chunk, group, world):
+        n = logits.shape[0]
+        cdt = _compute_dtype(logits)
+        logp = torch.empty(n, dtype=cdt, device=logits.device)
+        ent = torch.empty_like(logp)
+        stats = torch.empty(3, n, dtype=cdt, device=logits.device)  # max, log-normaliser, sum_px
+        for s in range(0, n, chunk):
+            x = logits[s:s + chunk].to(cdt) / temperature
+            m, se, sex, tl = _chunk_stats(x, targets[s:s + chunk], vocab_start, vocab_size, group, world)
+            log_z = m + torch.log(se)
+            sum_px = sex / se
+            logp[s:s + chunk] = tl - log_z
+            ent[s:s + chunk] = log_z - sum_px
+            stats[0, s:s + chunk], stats[1, s:s + chunk], stats[2, s:s + chunk] = m, log_z, sum_px
+        ctx.save_for_backward(logits, targets, stats)
+        ctx.cfg = (vocab_start, vocab_size, temperature, chunk)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, targets, stats = ctx.saved_tensors
+        vocab_start, vocab_size, temperature, chunk = ctx.cfg
+        n, v_local = logits.shape
+        grad = torch.empty_like(logits)
+        col = torch.arange(vocab_start, vocab_start + v_local, device=logits.device)
+        valid_col = col < vocab_size
+        cdt = _compute_dtype(logits)
+        g_logp = torch.zeros(n, dtype=cdt, device=logits.device) if g_logp is None else g_logp.to(cdt)
+        g_ent = torch.zeros(n, dtype=cdt, device=logits.device) if g_ent is None else g_ent.to(cdt)
+        for s in range(0, n, chunk):
+            x = logits[s:s + chunk].to(cdt) / temperature
+            _, log_z, sum_px = stats[:, s:s + chunk]
+            p = torch.exp(x - log_z.unsqueeze(-1))
+            p = torch.where(valid_col, p, torch.zeros_like(p))
+            x0 = torch.where(valid_col, x, torch.zeros_like(x))
+            gl, ge = g_logp[s:s + chunk].unsqueeze(-1), g_ent[s:s + chunk].unsqueeze(-1)
+            gx = -p * (gl + ge * (x0 - sum_px.unsqueeze(-1)))
+            t = targets[s:s + chunk]
+            in_shard = (t >= vocab_start) & (t < vocab_start + v_local)
+            local_t = (t - vocab_start).clamp(0, v_local - 1)
+            gx.scatter_add_(-1, local_t.unsqueeze(-1), (gl.squeeze(-1) * in_shard).unsqueeze(-1))
+            grad[s:s + chunk] = (gx / temperature).to(grad.dtype)
+        return grad, None, None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+    tp_group=None,
+):
+    """Log-prob of ``targets`` and entropy of softmax(logits / temperature), from TP-sharded logits.
+
+    logits: [..., V_padded / TP] (this rank's contiguous vocab shard, megatron's layout); targets: [...] global
+    token ids. vocab_size: the true vocab (entries beyond it are padding and masked); None = no padding.
+    Returns (log_probs, entropy), both [...] float32 (float64 for float64 logits), differentiable w.r.t. logits.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: leading dims differ")
+    group, rank, world = _tp_info(tp_group)
+    v_local = logits.shape[-1]
+    vocab_start = rank * v_local
+    if vocab_size is None:
+        vocab_size = v_local * world
+    if vocab_size > v_local * world:
+        raise ValueError(f"vocab_size={vocab_size} exceeds the sharded vocab {v_local} x {world}")
+    lead = logits.shape[:-1]
+    flat_logits = logits.reshape(-1, v_local)
+    flat_targets = targets.reshape(-1).long()
+    if world == 1 and vocab_size == v_local:
+        routed = _ops_route(flat_logits, flat_targets, temperature)
+        if routed is not None:
+            logp, ent = routed
+            return logp.reshape(lead), ent.reshape(lead)
+    logp, ent = _VocabParallelLogprobEntropy.apply(flat_logits, flat_targets, vocab_start, vocab_size,
+                                                   float(temperature), int(chunk_size), group, world)
+    return logp.reshape(lead), ent.reshape(lead)
+
+
+def _ops_route(logits, targets, temperature):
+    """Full-vocab logits on one rank: use ``megatron_ppo.ops.token_logprobs_entropy`` when the kernels exist."""
+    try:
+        from megatron_ppo import ops
+    except ImportError:
+        return None
+    fn = getattr(ops, "token_logprobs_entropy", None)
+    if fn is None:
+        return None
+    x = logits if temperature == 1.0 else logits / temperature
+    logp, ent = fn(x, targets)
+    if logits.requires_grad and logp.grad_fn is None:
+        return None  # a forward-only kernel: keep the differentiable torch path for training
+    return logp.float(), ent.float()
+
+
+def next_token_targets(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
+    """Targets for causal-LM log-probs: position i predicts token i+1 of the same sequence.
+
+    input_ids: [B, S] (padded; each row one sequence) or [1, T] / [T] packed with ``cu_seqlens`` ([n+1]).
+    Returns (targets, valid): valid is False at each sequence's last position (no next token there).
+    """
+    targets = torch.roll(input_ids, shifts=-1, dims=-1)
+    valid = torch.ones_like(input_ids, dtype=torch.bool)
+    if cu_seqlens is None:
+        valid[..., -1] = False
+    else:
+        ends = cu_seqlens[1:].long() - 1
+        ends = ends[ends >= 0]
+        flat = valid.view(-1)
+        flat[ends] = False
+    targets = torch.where(valid, targets, torch.zeros_like(targets))
+    return targets, valid
