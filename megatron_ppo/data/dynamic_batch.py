@@ -124,3 +124,17 @@ def restore_order(values, micro_batch_indices: Sequence[Sequence[int]]):
     if isinstance(values, torch.Tensor):
         return values[torch.as_tensor(inverse, device=values.device)]
     return [values[j] for j in inverse]
+
+
+def all_reduce_max(group=None) -> Callable[[int], int]:
+    """`reduce_max` for plan_micro_batches on a worker: MAX over a torch.distributed group (gloo or NCCL)."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+
+    def reduce(value: int) -> int:
+        t = torch.tensor([value], dtype=torch.long, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
+
+    return reduce

@@ -78,14 +78,14 @@ def validate_trajectory_table(table: pa.Table, source: str, empty_response_polic
         parents = pc.list_parent_indices(logp).to_numpy(zero_copy_only=False)
         r = int(parents[bad[0]])
         pos = int(bad[0] - np.concatenate([[0], np.cumsum(n_logp)])[r])
-        raise TrajectoryError(f"{source}: row {r}: 'rollout_log_probs'[{pos}] = {values[bad[0]]!r}; log-probs must "
+        raise TrajectoryError(f"{source}: row {r}: 'rollout_log_probs'[{pos}] = {float(values[bad[0]])}; log-probs must "
                               "be finite and <= 0")
     if "reward" in names:
         reward = table["reward"].to_numpy(zero_copy_only=False)  # nulls become NaN here: check validity first
         valid = table["reward"].is_valid().to_numpy(zero_copy_only=False)
         if (bad := np.flatnonzero(valid & ~np.isfinite(reward))).size:
             r = int(bad[0])
-            raise TrajectoryError(f"{source}: row {r}: 'reward' = {reward[r]!r} is not finite "
+            raise TrajectoryError(f"{source}: row {r}: 'reward' = {float(reward[r])} is not finite "
                                   "(leave it null to score the response at training time)")
     empty = n_logp == 0
     if "response_ids" not in names:  # text only: an empty string is an empty response
@@ -103,6 +103,7 @@ def validate_trajectory_table(table: pa.Table, source: str, empty_response_polic
 
 def _ragged(values: Sequence, dtype, name: str) -> pa.Array:
     """A list column from a sequence of 1-D lists / numpy arrays / tensors, without a Python loop over tokens."""
+    target = np.dtype(dtype.to_pandas_dtype())
     arrays = []
     for row, v in enumerate(values):
         if hasattr(v, "detach"):
@@ -110,12 +111,12 @@ def _ragged(values: Sequence, dtype, name: str) -> pa.Array:
         a = np.asarray(v)
         if a.ndim != 1:
             raise TrajectoryError(f"batch: row {row}: column {name!r} must be 1-D per row, got shape {a.shape}")
-        arrays.append(a)
+        if a.size and pa.types.is_integer(dtype) and not np.issubdtype(a.dtype, np.integer):
+            raise TrajectoryError(f"batch: row {row}: column {name!r} must hold integer token ids, got {a.dtype}")
+        arrays.append(a.astype(target, copy=False))
     offsets = np.concatenate([[0], np.cumsum([a.size for a in arrays])]).astype(np.int32)
-    flat = np.concatenate(arrays) if arrays else np.zeros(0)
-    if pa.types.is_integer(dtype) and flat.size and not np.issubdtype(flat.dtype, np.integer):
-        raise TrajectoryError(f"batch: column {name!r} must hold integer token ids, got dtype {flat.dtype}")
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(dtype.to_pandas_dtype())))
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, target)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
 
 
 def unpad(padded, mask) -> list[np.ndarray]:
