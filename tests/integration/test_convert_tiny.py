@@ -13,49 +13,17 @@ import pytest
 import torch
 
 from megatron_ppo.models.convert import hf_to_mcore, main as convert_main, mcore_to_hf
-from megatron_ppo.models.convert_verify import compare_hf_checkpoints, load_dist_checkpoint, megatron_logits
+from megatron_ppo.models.convert_verify import (
+    TINY_KINDS as KINDS,
+    TINY_VOCAB as VOCAB,
+    compare_hf_checkpoints,
+    load_dist_checkpoint,
+    make_tiny_hf,
+    megatron_logits,
+)
 from megatron_ppo.models.hf_mapping import arch_from_hf_config
 
-VOCAB = 300  # not a multiple of 128 (or 256): exercises vocab padding and un-padding
 TOL = 1e-4
-KINDS = ("llama", "llama_tied_llama3rope", "qwen2", "qwen2_untied")
-
-
-def make_tiny_hf(kind: str, out_dir: str, seed: int = 0) -> str:
-    """Save a tiny random HF model of ``kind`` (+ a real tokenizer.json) to out_dir; norms and biases randomised
-    so that a swapped norm or a dropped bias changes the logits."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
-    elif kind == "llama_tied_llama3rope":
-        common.update(num_key_value_heads=4)  # plain multi-head attention
-        rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 2.0, "original_max_position_embeddings": 64}
-        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True, rope_parameters=rope))
-    elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
-    elif kind == "qwen2_untied":
-        common.update(num_key_value_heads=1)
-        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
-    else:
-        raise ValueError(kind)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-    model.eval().save_pretrained(out_dir)
-    Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(os.path.join(out_dir, "tokenizer.json"))
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}, f)
-    return out_dir
 
 
 def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
@@ -158,7 +126,7 @@ def test_cli_both_directions(tiny_models, tmp_path, capsys):
 # Multi-process (gloo): TP=2 and PP=2 models load the converted checkpoints
 # ---------------------------------------------------------------------------------------------------------------
 def _rank_logits(rank, world_size, tp, pp, jobs):
-    """For each (name, hf_dir, ckpt_dir): build the model at TP x PP, load strictly, return last-stage logits."""
+    """(A job of the 2-rank pool.) For each (name, hf_dir, ckpt_dir): build the model at TP x PP, load strictly, return last-stage logits."""
     from megatron.core import parallel_state as ps
 
     from megatron_ppo import parallel
@@ -174,13 +142,13 @@ def _rank_logits(rank, world_size, tp, pp, jobs):
             if ps.is_pipeline_last_stage(ignore_virtual=True):
                 out[name] = logits
     finally:
-        parallel.destroy()
+        parallel.destroy(destroy_process_group=False)
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_tp_pp_layouts_logits_match_hf_and_round_trip(tp, pp, tiny_models, tmp_path, distributed):
+def test_tp_pp_layouts_logits_match_hf_and_round_trip(tp, pp, tiny_models, tmp_path, dist_pool2):
     jobs = []
     for kind in ("llama", "qwen2"):
         ckpt = str(tmp_path / f"{kind}_tp{tp}_pp{pp}")
@@ -191,7 +159,7 @@ def test_tp_pp_layouts_logits_match_hf_and_round_trip(tp, pp, tiny_models, tmp_p
     hf_to_mcore(tiny_models["llama_tied_llama3rope"], cross, tp=1, pp=1, quiet=True)
     jobs.append(("llama_tied_llama3rope", tiny_models["llama_tied_llama3rope"], cross))
 
-    per_rank = distributed(_rank_logits, 2, tp, pp, jobs)
+    per_rank = dist_pool2.run(_rank_logits, tp, pp, jobs)
     ids = sample_tokens()
     for name, hf_dir, ckpt in jobs:
         got = [r[name] for r in per_rank if name in r]
