@@ -14,7 +14,7 @@ import torch
 
 from megatron_ppo.algo import checks
 from megatron_ppo.algo.advantages import _masked_mean
-from megatron_ppo.algo.losses import kl_penalty as _kl_penalty
+from megatron_ppo.algo.losses import _kl_forward, parse_kl_type
 
 KL_CONTROLLER_TYPES = ("fixed", "adaptive", "phased")
 _CONTROLLER_KEYS = ("kl_coef", "target_kl", "horizon", "phases", "total_steps")
@@ -178,8 +178,11 @@ def apply_kl_penalty(
     checks.finite(token_level_scores, "token_level_scores", mask)
     checks.float_like(old_log_prob, "old_log_prob", "token_level_scores", token_level_scores)
     checks.float_like(ref_log_prob, "ref_log_prob", "token_level_scores", token_level_scores)
+    checks.finite(old_log_prob, "old_log_prob", mask)
+    checks.finite(ref_log_prob, "ref_log_prob", mask)
+    kind, _ = parse_kl_type(kl_penalty)  # "+" only changes gradients; rewards carry none
     with torch.no_grad():
-        kld = _kl_penalty(old_log_prob, ref_log_prob, kl_penalty, response_mask=mask)
+        kld = _kl_forward(old_log_prob, ref_log_prob, kind)
         kld = torch.where(mask, kld, torch.zeros((), dtype=kld.dtype, device=kld.device))
         beta = kl_ctrl.value
         rewards = token_level_scores - beta * kld

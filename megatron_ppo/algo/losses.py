@@ -295,6 +295,18 @@ def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> 
     return torch.clamp(torch.exp(log_r) - log_r - 1, min=-K3_CLAMP, max=K3_CLAMP)
 
 
+def parse_kl_type(kl_penalty) -> tuple[str, bool]:
+    """"k3+" -> ("k3", True): the estimator and whether the straight-through (k2-gradient) variant is asked."""
+    if not isinstance(kl_penalty, str):
+        raise ValueError(f"kl_penalty must be a string, got {kl_penalty!r}")
+    straight_through = kl_penalty.endswith("+")
+    base = kl_penalty[:-1] if straight_through else kl_penalty
+    if base not in KL_PENALTY_TYPES:
+        raise ValueError(f"kl_penalty must be one of {list(KL_PENALTY_TYPES)} (optionally with a '+' suffix), "
+                         f"got {kl_penalty!r}")
+    return base, straight_through
+
+
 def kl_penalty(
     logprob: torch.Tensor,
     ref_logprob: torch.Tensor,
@@ -308,13 +320,7 @@ def kl_penalty(
     with the gradient of k2 (0.5 * (logprob - ref_logprob)^2), whose gradient is the unbiased KL gradient.
     ``response_mask`` (optional) only limits the NaN/inf input check to valid positions.
     """
-    if not isinstance(kl_penalty, str):
-        raise ValueError(f"kl_penalty must be a string, got {kl_penalty!r}")
-    straight_through = kl_penalty.endswith("+")
-    base = kl_penalty[:-1] if straight_through else kl_penalty
-    if base not in KL_PENALTY_TYPES:
-        raise ValueError(f"kl_penalty must be one of {list(KL_PENALTY_TYPES)} (optionally with a '+' suffix), "
-                         f"got {kl_penalty!r}")
+    base, straight_through = parse_kl_type(kl_penalty)
     checks.float_tensor(logprob, "logprob")
     checks.float_like(ref_logprob, "ref_logprob", "logprob", logprob)
     valid = None if response_mask is None else checks.mask(response_mask, "response_mask", "logprob", logprob)

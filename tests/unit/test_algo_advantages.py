@@ -1,6 +1,6 @@
 """GAE, masked statistics and GRPO against verl 0.9.1 and float64 hand references.
 
-Tolerances: float64 inputs are compared at rtol 1e-7 / atol 1e-9 (verl divides by count + 1e-8 where we divide
+Tolerances: float64 inputs are compared at rtol 1e-7 / atol 1e-7 (verl divides by count + 1e-8 where we divide
 by the exact count: a relative difference of about 1e-8 / count); float32 at rtol 1e-5 / atol 1e-5.
 """
 import os
@@ -17,7 +17,7 @@ from verl.utils import torch_functional as verl_F  # noqa: E402
 
 from megatron_ppo.algo import advantages as A  # noqa: E402
 
-TOL64 = dict(rtol=1e-7, atol=1e-9)
+TOL64 = dict(rtol=1e-7, atol=1e-7)
 TOL32 = dict(rtol=1e-5, atol=1e-5)
 FAST = settings(max_examples=40, deadline=None)
 

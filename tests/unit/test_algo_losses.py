@@ -1,6 +1,6 @@
 """Loss aggregation, policy / value losses, entropy and KL estimators against verl 0.9.1.
 
-Tolerances: float64 rtol 1e-7 / atol 1e-9 (verl's +1e-8 denominators), float32 rtol 1e-5 / atol 1e-6;
+Tolerances: float64 rtol 1e-7 / atol 1e-7 (verl's +1e-8 denominators), float32 rtol 1e-5 / atol 1e-6;
 gradients are compared at the same tolerances.
 """
 import os
@@ -17,7 +17,7 @@ from verl.utils import torch_functional as verl_F  # noqa: E402
 
 from megatron_ppo.algo import losses as L  # noqa: E402
 
-TOL64 = dict(rtol=1e-7, atol=1e-9)
+TOL64 = dict(rtol=1e-7, atol=1e-7)
 TOL32 = dict(rtol=1e-5, atol=1e-6)
 FAST = settings(max_examples=40, deadline=None)
 MODES = list(L.AGG_LOSS_MODES)
