@@ -24,9 +24,11 @@ def dist_pool2():
 def megatron_single():
     """A world-of-one Megatron (TP=PP=DP=1) initialised for the test and torn down after it."""
     from megatron_ppo import parallel
+    from megatron_ppo.parallel.platform import disable_cpu_platform
 
     parallel.initialize(tp=1, pp=1, seed=1234)
     try:
         yield
     finally:
         parallel.destroy()
+        disable_cpu_platform()  # later tests in this process run without the CUDA->CPU remap

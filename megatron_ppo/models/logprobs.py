@@ -12,6 +12,8 @@ TP-decomposed pieces (see ``_ops_pieces``); otherwise the torch path below runs.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -20,9 +22,8 @@ DEFAULT_CHUNK = 4096
 
 def _tp_info(tp_group):
     if tp_group is None:
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
+        parallel_state = sys.modules.get("megatron.core.parallel_state")  # not imported = not initialised
+        if parallel_state is not None and parallel_state.model_parallel_is_initialized():
             tp_group = parallel_state.get_tensor_model_parallel_group()
     if tp_group is None or not dist.is_initialized():
         return None, 0, 1

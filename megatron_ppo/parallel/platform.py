@@ -237,6 +237,36 @@ def enable_cpu_platform() -> bool:
     return True
 
 
+def disable_cpu_platform() -> None:
+    """Undo enable_cpu_platform() (for test hygiene): leave the device remap in this thread, restore torch.cuda
+    and megatron's RNG functions. Models built under the shims keep working only while they are enabled."""
+    global _cuda_patched
+    mode = getattr(_thread_modes, "mode", None)
+    stack = _get_current_function_mode_stack()
+    if mode is not None and stack and stack[-1] is mode:
+        mode.__exit__(None, None, None)
+    elif mode is not None and mode in stack:
+        raise RuntimeError("disable_cpu_platform: another torch function mode was entered after the CPU remap")
+    _thread_modes.mode = None
+    with _lock:
+        if not _cuda_patched:
+            return
+        import torch.cuda.random as cuda_random
+        from megatron.core.tensor_parallel import random as mrandom
+
+        for name, value in _original_cuda_attrs.items():
+            if name.startswith("random."):
+                setattr(cuda_random, name[len("random."):], value)
+            else:
+                setattr(torch.cuda, name, value)
+        for name, value in _original_megatron_attrs.items():
+            setattr(mrandom, name, value)
+        _original_cuda_attrs.clear()
+        _original_megatron_attrs.clear()
+        mrandom.initialize_rng_tracker(force_reset=True)
+        _cuda_patched = False
+
+
 def cpu_platform_enabled() -> bool:
     """True when the shims are installed and the device remap is active in this thread."""
     mode = getattr(_thread_modes, "mode", None)
