@@ -70,10 +70,12 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score") -> Call
     if not path.is_file():
         raise FileNotFoundError(f"custom_reward_function.path: {path} not found")
     module_name = f"megatron_ppo_user_reward_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    module = sys.modules.get(module_name)
+    if module is None:  # import each file once, so its @register_reward decorators run once
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[module_name] = module
     fn = getattr(module, name, None)
     if not callable(fn):
         public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
