@@ -49,8 +49,9 @@ def finish_stats(global_max: torch.Tensor, summed: torch.Tensor) -> tuple[torch.
     """(log_probs, entropy, log_normalizer) from the global max and the [3, N] global (rebased, summed) stats."""
     sum_exp, sum_shifted, target_logit = summed
     log_sum = torch.log(sum_exp)
-    log_normalizer = global_max + log_sum
-    return target_logit - log_normalizer, log_sum - sum_shifted / sum_exp, log_normalizer
+    # (x_t - M) - log S: never rounds M + log S first, which loses digits when logits are large (|x| ~ 1e4).
+    log_probs = (target_logit - global_max) - log_sum
+    return log_probs, log_sum - sum_shifted / sum_exp, global_max + log_sum
 
 
 def logprobs_entropy_backward(logits: torch.Tensor, target_ids: torch.Tensor, vocab_start_index: int,
