@@ -167,7 +167,7 @@ def compute_grpo_outcome_advantage(
     """GRPO outcome advantage: per response score = sum of its rewards, normalised within its group.
 
     ``index[i]`` is the group label (e.g. prompt uid) of row i. advantage_i = (s_i - mean_g) / (std_g + epsilon)
-    (Dr.GRPO: ``norm_adv_by_std_in_grpo=False`` -> s_i - mean_g), broadcast over valid tokens, 0 elsewhere.
+    (Dr.GRPO: ``norm_adv_by_std_in_grpo=False`` -> s_i - mean_g; epsilon must be > 0 when dividing), broadcast over valid tokens, 0 elsewhere.
     std is the unbiased (n-1) group std like verl's torch.std. Groups of size 1 follow verl: mean 0 and std 1,
     so a lone response gets s_i / (1 + epsilon). Scores sum rewards at valid positions only (verl sums the whole
     row; identical whenever rewards outside the mask are 0, as they are in practice). Returns (advantages,
@@ -175,7 +175,8 @@ def compute_grpo_outcome_advantage(
     """
     checks.float_tensor(token_level_rewards, "token_level_rewards", ndim=2)
     mask = checks.mask(response_mask, "response_mask", "token_level_rewards", token_level_rewards)
-    epsilon = checks.real_number(epsilon, "epsilon", low=0.0)
+    # epsilon > 0 when dividing by std: a group of equal scores has std 0 (or rounding noise) -> 0/0 or noise/noise
+    epsilon = checks.real_number(epsilon, "epsilon", low=0.0, low_inclusive=not norm_adv_by_std_in_grpo)
     checks.finite(token_level_rewards, "token_level_rewards", mask)
     gid, n_groups = _group_ids(index, token_level_rewards.shape[0], token_level_rewards.device)
 
