@@ -28,7 +28,7 @@ def _set_env(rank: int, world_size: int, port: int) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def _pool_worker(rank, world_size, port, threads, jobs, results):
+def _pool_worker(rank, world_size, port, threads, jobs, results, parent_pid):
     _set_env(rank, world_size, port)
     torch.set_num_threads(threads)
     import torch.distributed as dist
@@ -43,7 +43,12 @@ def _pool_worker(rank, world_size, port, threads, jobs, results):
                             timeout=datetime.timedelta(seconds=float(os.environ.get("MEGATRON_PPO_POOL_TIMEOUT", 120))))
     results.put((rank, "ready", None))
     while True:
-        job = jobs.get()
+        try:
+            job = jobs.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent_pid:  # the parent died: do not linger (workers are not daemonic)
+                break
+            continue
         if job is None:
             break
         fn, args = job
@@ -68,8 +73,9 @@ class LocalWorkerPool:
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()
+        # Not daemonic: megatron's dist_checkpointing starts a multiprocessing Manager inside the ranks.
         self._procs = [ctx.Process(target=_pool_worker, args=(r, self.world_size, port, self.threads,
-                                                              self._jobs[r], self._results), daemon=True)
+                                                              self._jobs[r], self._results, os.getpid()))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()
