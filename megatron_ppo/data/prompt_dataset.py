@@ -44,7 +44,16 @@ def chat_prompt_ids(tokenizer, conversations: Sequence[list[dict]]) -> list[list
     `apply_chat_template(messages, add_generation_prompt=True, tokenize=True)` token for token.
     """
     texts = [tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False) for c in conversations]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return encode_texts(tokenizer, texts)
+
+
+def encode_texts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids without added special tokens; straight through the Rust tokenizer when there is one
+    (skipping the HF wrapper's per-row bookkeeping makes this ~1.5x faster)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=False)]
+    return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
 
 
 class PromptDataset:

@@ -78,8 +78,8 @@ def validate_trajectory_table(table: pa.Table, source: str, empty_response_polic
         parents = pc.list_parent_indices(logp).to_numpy(zero_copy_only=False)
         r = int(parents[bad[0]])
         pos = int(bad[0] - np.concatenate([[0], np.cumsum(n_logp)])[r])
-        raise TrajectoryError(f"{source}: row {r}: 'rollout_log_probs'[{pos}] = {float(values[bad[0]])}; log-probs must "
-                              "be finite and <= 0")
+        raise TrajectoryError(f"{source}: row {r}: 'rollout_log_probs'[{pos}] = {float(values[bad[0]])}; "
+                              "log-probs must be finite and <= 0")
     if "reward" in names:
         reward = table["reward"].to_numpy(zero_copy_only=False)  # nulls become NaN here: check validity first
         valid = table["reward"].is_valid().to_numpy(zero_copy_only=False)
@@ -223,8 +223,9 @@ class TrajectoryDataset:
         if "response_ids" in names:
             response_ids = [r["response_ids"] for r in rows]
         else:
-            tok = self._need_tokenizer(path, "response_ids")
-            response_ids = tok([r["response"] for r in rows], add_special_tokens=False)["input_ids"]
+            from megatron_ppo.data.prompt_dataset import encode_texts
+
+            response_ids = encode_texts(self._need_tokenizer(path, "response_ids"), [r["response"] for r in rows])
             for i, (ids, r) in enumerate(zip(response_ids, rows)):
                 if len(ids) != len(r["rollout_log_probs"]):
                     raise TrajectoryError(f"{path}: row {i}: 'response' tokenises to {len(ids)} tokens but "

@@ -13,6 +13,7 @@ from megatron_ppo.rewards.registry import (
 from megatron_ppo.rewards.shaping import LengthPenalty, RepetitionPenalty, ngram_repeat_ratio
 
 __all__ = [
-    "LengthPenalty", "RepetitionPenalty", "RewardError", "RewardOutput", "RewardScorer", "UnknownDataSourceError", "compute_rewards",
-    "get_reward_fn", "load_custom_reward_fn", "ngram_repeat_ratio", "register_reward", "registered_data_sources",
+    "LengthPenalty", "RepetitionPenalty", "RewardError", "RewardOutput", "RewardScorer", "UnknownDataSourceError",
+    "compute_rewards", "get_reward_fn", "load_custom_reward_fn", "ngram_repeat_ratio", "register_reward",
+    "registered_data_sources",
 ]

@@ -60,7 +60,7 @@ def test_verl_rlhf_dataset_reads_our_parquet(tok, ours, hf_cache):
 
 
 def _verl_process_fn(split):
-    """verl's examples/data_preprocess/gsm8k.py make_map_fn (v0.9.1), verbatim apart from names."""
+    """The map function of verl's examples/data_preprocess/gsm8k.py (same logic; the example is not installed)."""
     import re
 
     def extract_solution(solution_str):

@@ -55,7 +55,8 @@ def test_strict_agrees_with_verl_on_all_test_answers(verl_score, test_answers):
         assert compute_score(answer, other) == verl_score(answer, other), i
         for text in _perturbations(answer, truth):
             for fs in (0.0, 0.1):
-                assert compute_score(text, truth, format_score=fs) == verl_score(text, truth, format_score=fs), (i, text)
+                ours, theirs = compute_score(text, truth, format_score=fs), verl_score(text, truth, format_score=fs)
+                assert ours == theirs, (i, text)
 
 
 @settings(max_examples=300, deadline=None)
