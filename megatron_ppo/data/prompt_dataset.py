@@ -71,7 +71,10 @@ class PromptDataset:
         max_prompt_length: int,
         overlong_prompt_policy: str = "error",
         prompt_key: str = "prompt",
+        max_samples: int = -1,
     ):
+        """max_samples > 0 reads only the first max_samples rows of the files, in order (verl's
+        data.train_max_samples); the over-long policy then applies to those."""
         if overlong_prompt_policy not in OVERLONG_POLICIES:
             raise ValueError(f"overlong_prompt_policy={overlong_prompt_policy!r}; choose one of {OVERLONG_POLICIES}")
         if max_prompt_length < 1:
@@ -83,7 +86,12 @@ class PromptDataset:
         self.rows: list[dict] = []
         self.input_ids: list[list[int]] = []
         self.stats = {"rows_read": 0, "rows_kept": 0, "filtered_overlong": 0, "truncated": 0}
+        budget = max_samples if max_samples > 0 else None
         for path, table in read_tables(expand_parquet_paths(data_files)):
+            if budget is not None:
+                if budget == 0:
+                    break
+                table, budget = table.slice(0, budget), budget - min(budget, table.num_rows)
             self._add_file(path, table)
         if not self.rows:
             raise ValueError(f"data_files {data_files}: no rows left (stats: {self.stats})")

@@ -105,6 +105,8 @@ def test_any_data_source_several_files_no_extra_columns(tok, tmp_path):
     assert ds[1]["reward_model"] is None and ds[1]["extra_info"] is None
     assert tok.decode(ds[1]["input_ids"]).startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert len(PromptDataset(tmp_path, tok, max_prompt_length=64)) == 2  # a directory means its parquet files
+    first = PromptDataset([a, b], tok, max_prompt_length=64, max_samples=1)
+    assert len(first) == 1 and first[0]["data_source"] == "mine/cats" and first.stats["rows_read"] == 1
 
 
 def test_bad_files(tok, tmp_path):
