@@ -1,0 +1,143 @@
+"""Everything the driver needs, built from the config: data, tokenizer, reward scorer, workers, controllers.
+
+Kept apart from the loop so that ppo.py reads as a recipe and the Ray driver can build the same parts per rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_ppo.algo.kl_control import TargetKLGuard, build_kl_controller
+from megatron_ppo.data.gsm8k import default_gsm8k_dir
+from megatron_ppo.data.preprocess import preprocess_gsm8k
+from megatron_ppo.data.prompt_dataset import PromptDataset, overlong_policy_from_verl
+from megatron_ppo.data.sampler import StatefulSampler
+from megatron_ppo.data.tokenizer import gsm8k_tokenizer_dir, load_tokenizer
+from megatron_ppo.data.trajectory import TrajectoryWriter
+from megatron_ppo.models.arch import ModelArch
+from megatron_ppo.rewards.batch import RewardScorer
+from megatron_ppo.trainer.tracking import Tracker
+from megatron_ppo.workers.megatron_worker import MegatronWorker
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Components:
+    total_steps: int
+    tokenizer: object
+    eos_token_ids: list[int]
+    train_dataset: PromptDataset
+    val_dataset: PromptDataset | None
+    sampler: StatefulSampler
+    scorer: RewardScorer
+    actor: MegatronWorker
+    ref: MegatronWorker | None
+    critic: MegatronWorker | None
+    kl_ctrl: object | None
+    kl_guard: TargetKLGuard | None
+    tracker: Tracker
+    dumper: object | None
+
+
+def prepare_data(cfg) -> str | None:
+    """Run the configured preprocessing (tiny default: GSM8K jsonl -> parquet, BPE tokenizer) when outputs are
+    missing; returns the built tokenizer directory, if any."""
+    pre = cfg.data.preprocess
+    if pre.dataset is None:
+        return None
+    source = Path(pre.input_dir) if pre.input_dir else default_gsm8k_dir()
+    missing = [f for f in [*cfg.data.train_files, *cfg.data.val_files] if not Path(f).is_file()]
+    if missing:
+        counts = preprocess_gsm8k(source, pre.output_dir)
+        log.info("preprocessed GSM8K from %s: %s", source, counts)
+    if pre.build_tokenizer:
+        return str(gsm8k_tokenizer_dir(pre.output_dir, source, pre.tokenizer_vocab_size))
+    return None
+
+
+def model_arch(cfg, role: str, vocab_size: int) -> ModelArch:
+    model = cfg.model_for(role)
+    if model.arch is None:
+        raise ValueError(f"{role}.model: the in-process driver builds models from an inline `arch` (random init); "
+                         f"HF weights ({model.path}) are converted with `megatron-ppo convert hf-to-mcore`")
+    fields = dataclasses.asdict(model.arch)
+    fields["vocab_size"] = fields["vocab_size"] or vocab_size
+    return ModelArch(**fields)
+
+
+def params_dtype(cfg, role: str) -> torch.dtype:
+    dtype = cfg.model_for(role).dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return DTYPES[dtype]
+
+
+def total_training_steps(cfg, num_prompts: int) -> int:
+    """trainer.total_training_steps, else total_epochs x full batches per epoch (verl's rule)."""
+    return cfg.trainer.total_training_steps or max(num_prompts // cfg.data.train_batch_size, 1) * cfg.trainer.total_epochs
+
+
+def build_components(cfg) -> Components:
+    built_tokenizer = prepare_data(cfg)
+    tokenizer = load_tokenizer(cfg.actor.model.tokenizer_path or built_tokenizer or cfg.actor.model.path)
+    policy = overlong_policy_from_verl(cfg.data.filter_overlong_prompts, cfg.data.truncation)
+    train = PromptDataset(cfg.data.train_files, tokenizer, cfg.data.max_prompt_length, policy,
+                          cfg.data.prompt_key, cfg.data.train_max_samples)
+    val = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length, policy, cfg.data.prompt_key,
+                        cfg.data.val_max_samples) if cfg.data.val_files else None
+    total_steps = total_training_steps(cfg, len(train))
+    sampler = StatefulSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    arch = model_arch(cfg, "actor", len(tokenizer))
+    actor = MegatronWorker("actor", arch, optim=cfg.actor.optim, total_steps=total_steps,
+                           params_dtype=params_dtype(cfg, "actor"))
+    ref = None
+    if cfg.use_reference:
+        ref = MegatronWorker("reference", model_arch(cfg, "ref", len(tokenizer)), params_dtype=params_dtype(cfg, "ref"))
+        ref.copy_weights_from(actor)  # the reference is the actor's initial policy
+    critic = None
+    if cfg.use_critic:
+        critic = MegatronWorker("critic", model_arch(cfg, "critic", len(tokenizer)), optim=cfg.critic.optim,
+                                total_steps=total_steps, params_dtype=params_dtype(cfg, "critic"))
+    kc = cfg.algorithm.kl_ctrl
+    kl_ctrl = None
+    if cfg.algorithm.use_kl_in_reward:
+        kwargs = {"fixed": {"kl_coef": kc.kl_coef},
+                  "adaptive": {"init_kl_coef": kc.kl_coef, "target_kl": kc.target_kl, "horizon": kc.horizon},
+                  "phased": {"phases": kc.phase_pairs(), "total_steps": total_steps}}[kc.type]
+        kl_ctrl = build_kl_controller(kc.type, **kwargs)
+    guard = TargetKLGuard(cfg.algorithm.kl_guard.target_kl) if cfg.algorithm.kl_guard.enable else None
+    t = cfg.trainer
+    tracker = Tracker(t.logger, t.expand(t.log_dir), t.project_name, t.experiment_name)
+    dumper = None
+    if cfg.rollout.dump_dir:
+        writer = TrajectoryWriter(cfg.rollout.dump_dir, policy_name=t.experiment_name,
+                                  temperature=cfg.rollout.temperature)
+        dumper = lambda step, batch: writer.append(step, trajectory_rows(batch, tokenizer))  # noqa: E731
+    eos = tokenizer.eos_token_id
+    return Components(total_steps, tokenizer, [eos] if eos is not None else [], train, val, sampler,
+                      RewardScorer.from_config(cfg.reward, cfg.data.max_response_length), actor, ref, critic,
+                      kl_ctrl, guard, tracker, dumper)
+
+
+def trajectory_rows(batch, tokenizer) -> dict:
+    """A rollout batch as trajectory-parquet columns, for offline replay (rollout.dump_dir)."""
+    lengths = batch.response_lengths.tolist()
+    ids = [batch.responses[i, :n].tolist() for i, n in enumerate(lengths)]
+    return {
+        "prompt_ids": [p.tolist() for p in batch.prompt_ids],
+        "response_ids": ids,
+        "response": tokenizer.batch_decode(ids, skip_special_tokens=True),
+        "rollout_log_probs": [batch.tensors["rollout_log_probs"][i, :n].tolist() for i, n in enumerate(lengths)],
+        "reward": batch.tensors["sequence_scores"].tolist(),
+        "prompt": batch.meta["raw_prompt"],
+        "data_source": batch.meta["data_source"],
+        "reward_model": batch.meta["reward_model"],
+        "extra_info": batch.meta["extra_info"],
+    }

@@ -1,0 +1,70 @@
+"""The per-micro-batch functions the driver hands to workers: outputs (log-probs, values) and losses.
+
+Each binds a model output ([1, T, V/TP] logits or [1, T, 1] values, packed) to the algo/ math in verl's [b, R]
+response layout. Losses are normalised by the whole mini-batch (``batch_num_tokens`` / ``global_batch_size``)
+so that summing micro-batches, which the schedule does, gives the mini-batch loss.
+"""
+from __future__ import annotations
+
+from megatron_ppo.algo.losses import compute_policy_loss, compute_value_loss, agg_loss, kl_penalty
+from megatron_ppo.models.logprobs import next_token_targets, vocab_parallel_logprobs_entropy
+from megatron_ppo.trainer.rollout_batch import gather_response
+
+
+def response_logprobs_entropy(logits, micro: dict, vocab_size: int, temperature: float):
+    """Log-probs and entropies of the response tokens, [b, R] each (vocab-parallel over TP)."""
+    targets, _ = next_token_targets(micro["input_ids"], micro["cu_seqlens"])
+    log_probs, entropy = vocab_parallel_logprobs_entropy(logits, targets, vocab_size=vocab_size,
+                                                         temperature=temperature)
+    return gather_response(log_probs, micro), gather_response(entropy, micro)
+
+
+def logprob_output_fn(vocab_size: int, temperature: float):
+    def output_fn(logits, micro):
+        log_probs, entropy = response_logprobs_entropy(logits, micro, vocab_size, temperature)
+        return {"log_probs": log_probs, "entropy": entropy}
+    return output_fn
+
+
+def value_output_fn(values, micro):
+    return {"values": gather_response(values[..., 0], micro)}
+
+
+def actor_loss_fn(actor_cfg, *, vocab_size: int, temperature: float, mini_batch_tokens: int, mini_batch_seqs: int):
+    """PPO clip / dual-clip policy loss + entropy bonus + KL loss, IS-weighted when the batch carries weights."""
+    low, high = actor_cfg.clip_bounds()
+    agg = {"loss_agg_mode": actor_cfg.loss_agg_mode, "batch_num_tokens": mini_batch_tokens,
+           "global_batch_size": mini_batch_seqs, "loss_scale_factor": actor_cfg.loss_scale_factor}
+
+    def loss_fn(logits, micro):
+        mask = micro["response_mask"]
+        log_prob, entropy = response_logprobs_entropy(logits, micro, vocab_size, temperature)
+        pg_loss, metrics = compute_policy_loss(
+            micro["old_log_probs"], log_prob, micro["advantages"], mask, clip_ratio=actor_cfg.clip_ratio,
+            clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor_cfg.clip_ratio_c,
+            rollout_is_weights=micro.get("rollout_is_weights"), **agg)
+        entropy_loss = agg_loss(entropy, mask, **agg)
+        loss = pg_loss - actor_cfg.entropy_coeff * entropy_loss
+        metrics = {**metrics, "actor/entropy": entropy_loss.detach()}
+        if actor_cfg.use_kl_loss:
+            kld = kl_penalty(log_prob, micro["ref_log_probs"], actor_cfg.kl_loss_type, response_mask=mask)
+            kl_loss = agg_loss(kld, mask, **agg)
+            loss = loss + actor_cfg.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss.detach()
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_loss_fn(critic_cfg, *, mini_batch_tokens: int, mini_batch_seqs: int):
+    """Clipped value loss around the rollout-time values."""
+
+    def loss_fn(values, micro):
+        vpreds = gather_response(values[..., 0], micro)
+        loss, clipfrac = compute_value_loss(
+            vpreds, micro["returns"], micro["values"], micro["response_mask"], critic_cfg.cliprange_value,
+            loss_agg_mode=critic_cfg.loss_agg_mode, batch_num_tokens=mini_batch_tokens,
+            global_batch_size=mini_batch_seqs)
+        return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac}
+
+    return loss_fn

@@ -1,0 +1,217 @@
+"""The PPO driver loop: rollout -> score -> evaluate -> advantage -> update -> record, one named method a phase.
+
+This is the in-process driver (one rank: TP = PP = DP = 1), the recipe the Ray driver will run over worker groups.
+Workers hold models and run what they are given; every algorithmic choice is made here, from algo/.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_ppo.algo.advantages import compute_gae_advantage_return, compute_grpo_outcome_advantage, masked_mean, masked_whiten
+from megatron_ppo.algo.kl_control import apply_kl_penalty
+from megatron_ppo.algo.losses import explained_variance
+from megatron_ppo.algo.rollout_correction import compute_rollout_correction_and_rejection_mask
+from megatron_ppo.models.generation import SamplingParams
+from megatron_ppo import ops
+from megatron_ppo.trainer.losses import actor_loss_fn, critic_loss_fn, logprob_output_fn, value_output_fn
+from megatron_ppo.trainer.rollout_batch import RolloutBatch, pack_rows, split_rows
+from megatron_ppo.trainer.tracking import timed
+
+# Micro-batch metrics that are shares of the mini-batch loss (summed); all others are averaged.
+SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
+
+
+class PPOTrainer:
+    def __init__(self, cfg, parts):
+        """parts: a trainer.components.Components (workers, datasets, sampler, tokenizer, scorer, controllers)."""
+        self.cfg, self.p = cfg, parts
+        self.vocab_size = parts.actor.model.arch.vocab_size
+        self.step = 0
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    def fit(self, total_steps: int) -> list[dict]:
+        history = []
+        if self.cfg.trainer.val_before_train and self.p.val_dataset is not None:
+            self.p.tracker.log(self.validate(), step=0)
+        while self.step < total_steps:
+            self.step += 1
+            metrics: dict = {}
+            with timed("step", metrics):
+                with timed("gen", metrics):
+                    batch = self.rollout(self.p.train_dataset.collate(self.p.sampler.next_batch()))
+                with timed("reward", metrics):
+                    self.score(batch, metrics)
+                with timed("old_log_prob", metrics):
+                    self.evaluate(batch, metrics)
+                with timed("adv", metrics):
+                    self.compute_advantages(batch, metrics)
+                if self.p.critic is not None:
+                    with timed("update_critic", metrics):
+                        self.update_critic(batch, metrics)
+                if self.step > self.cfg.trainer.critic_warmup:
+                    with timed("update_actor", metrics):
+                        self.update_actor(batch, metrics)
+            self.record(batch, metrics)
+            if self.p.val_dataset is not None and self.cfg.trainer.test_freq > 0 and (
+                    self.step % self.cfg.trainer.test_freq == 0 or self.step == total_steps):
+                metrics.update(self.validate())
+            history.append(self.p.tracker.log(metrics, step=self.step))
+        return history
+
+    # ------------------------------------------------------------------------------------------------ phases
+    def rollout(self, prompts: dict, sampling=None, n: int | None = None) -> RolloutBatch:
+        """The actor generates n responses per prompt; rollout log-probs come back with the tokens."""
+        sampling = sampling or self.cfg.rollout
+        n = self.cfg.rollout.n if n is None else n
+        rows = [i for i in range(len(prompts["raw_prompt"])) for _ in range(n)]
+        keep = prompts["attention_mask"].bool()  # prompts come left-padded; generation takes them unpadded
+        prompt_ids = [prompts["input_ids"][i][keep[i]] for i in rows]
+        out = self.p.actor.generate(prompt_ids, self.sampling_params(sampling))
+        width = out.responses.shape[1]
+        mask = (torch.arange(width) < out.response_lengths.unsqueeze(1)).float()
+        meta = {key: [prompts[key][i] for i in rows] for key in ("raw_prompt", "data_source", "reward_model", "extra_info", "index")}
+        return RolloutBatch(prompt_ids, out.responses, mask, {"rollout_log_probs": out.log_probs * mask}, meta)
+
+    def score(self, batch: RolloutBatch, metrics: dict) -> None:
+        """Sequence reward (rule / custom function + shaping) placed on each response's last token."""
+        lengths = batch.response_lengths
+        ids = [batch.responses[i, : int(lengths[i])].tolist() for i in range(batch.size)]
+        texts = self.p.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        truths = [rm.get("ground_truth") if rm else None for rm in batch.meta["reward_model"]]
+        out = self.p.scorer(texts, batch.meta["data_source"], truths, extra_infos=batch.meta["extra_info"],
+                            response_ids=ids, response_lengths=lengths.tolist())
+        scores = torch.zeros_like(batch.response_mask)
+        last = (lengths - 1).clamp(min=0)
+        scores[torch.arange(batch.size), last] = torch.as_tensor(out.scores, dtype=scores.dtype) * (lengths > 0)
+        batch.tensors["token_level_scores"] = scores
+        batch.tensors["sequence_scores"] = torch.as_tensor(out.scores, dtype=torch.float32)
+        metrics.update(out.metrics)
+
+    def evaluate(self, batch: RolloutBatch, metrics: dict) -> None:
+        """Old log-probs (actor), reference log-probs, values (critic) of the responses, forward only."""
+        size = self.cfg.rollout.log_prob_micro_batch_size_per_gpu or batch.size
+        micros = [pack_rows(batch, rows) for rows in split_rows(list(range(batch.size)), size)]
+        logprob_fn = logprob_output_fn(self.vocab_size, self.cfg.rollout.temperature)
+        outputs = self.p.actor.forward(micros, logprob_fn)
+        batch.tensors["old_log_probs"] = torch.cat([o["log_probs"] for o in outputs]) * batch.response_mask
+        ent = torch.cat([o["entropy"] for o in outputs])
+        metrics["actor/entropy_rollout"] = float(masked_mean(ent, batch.response_mask))
+        if self.p.ref is not None:
+            outputs = self.p.ref.forward(micros, logprob_fn)
+            batch.tensors["ref_log_probs"] = torch.cat([o["log_probs"] for o in outputs]) * batch.response_mask
+        if self.p.critic is not None:
+            outputs = self.p.critic.forward(micros, value_output_fn)
+            batch.tensors["values"] = torch.cat([o["values"] for o in outputs]) * batch.response_mask
+        diff = (batch.tensors["old_log_probs"] - batch.tensors["rollout_log_probs"]).abs()
+        metrics["rollout/logprob_abs_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+
+    def compute_advantages(self, batch: RolloutBatch, metrics: dict) -> None:
+        """KL-in-reward (controller) -> GAE (ops.gae) or GRPO -> whitening; rollout correction weights/masks."""
+        t, mask, alg = batch.tensors, batch.response_mask, self.cfg.algorithm
+        rewards = t["token_level_scores"]
+        if alg.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_penalty(rewards, t["old_log_probs"], t["ref_log_probs"], mask,
+                                                   self.p.kl_ctrl, alg.kl_penalty)
+            metrics.update(kl_metrics)
+        t["token_level_rewards"] = rewards
+        if alg.adv_estimator == "gae":
+            advantages, returns = ops.gae(rewards, t["values"], mask, alg.gamma, alg.lam)
+            t["advantages"], t["returns"] = masked_whiten(advantages, mask) * mask, returns
+            metrics["critic/vf_explained_var"] = float(explained_variance(t["values"], returns, mask))
+        else:
+            index = np.array([str(i) for i in batch.meta["index"]], dtype=object)
+            t["advantages"], t["returns"] = compute_grpo_outcome_advantage(
+                rewards, mask, index, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        rc = alg.rollout_correction
+        if rc.rollout_is or rc.rollout_rs:
+            weights, new_mask, rc_metrics = compute_rollout_correction_and_rejection_mask(
+                t["old_log_probs"], t["rollout_log_probs"], mask, rc.rollout_is, rc.rollout_is_threshold,
+                rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold)
+            if weights is not None:
+                t["rollout_is_weights"] = weights
+            batch.response_mask = new_mask
+            metrics.update(rc_metrics)
+        metrics["critic/advantages/mean"] = float(masked_mean(t["advantages"], batch.response_mask))
+        metrics["critic/returns/mean"] = float(masked_mean(t["returns"], batch.response_mask))
+
+    def update_critic(self, batch: RolloutBatch, metrics: dict) -> None:
+        c = self.cfg.critic
+        self._update(self.p.critic, batch, metrics, "critic", c.ppo_epochs, c.ppo_mini_batch_size,
+                     c.ppo_micro_batch_size_per_gpu, ("values", "returns"),
+                     lambda tokens, seqs: critic_loss_fn(c, mini_batch_tokens=tokens, mini_batch_seqs=seqs))
+
+    def update_actor(self, batch: RolloutBatch, metrics: dict) -> None:
+        a = self.cfg.actor
+        keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if a.use_kl_loss else ()) + (
+            ("rollout_is_weights",) if "rollout_is_weights" in batch.tensors else ())
+        guard = self.p.kl_guard
+
+        def skip(per_micro):
+            return guard is not None and guard.should_skip(float(np.mean([m["actor/ppo_kl"] for m in per_micro])))
+
+        self._update(self.p.actor, batch, metrics, "actor", a.ppo_epochs, a.ppo_mini_batch_size,
+                     a.ppo_micro_batch_size_per_gpu, keys,
+                     lambda tokens, seqs: actor_loss_fn(a, vocab_size=self.vocab_size,
+                                                        temperature=self.cfg.rollout.temperature,
+                                                        mini_batch_tokens=tokens, mini_batch_seqs=seqs), skip)
+        if guard is not None:
+            metrics.update(guard.step_metrics())
+
+    def _update(self, worker, batch, metrics, role, epochs, mini_prompts, micro_size, keys, make_loss, skip=None):
+        """ppo_epochs x mini-batches (of mini_prompts x rollout.n sequences) x micro-batches, one step each."""
+        mini = mini_prompts * self.cfg.rollout.n
+        collected = []
+        for epoch in range(epochs):
+            order = list(range(batch.size))
+            if getattr(self.cfg, role).shuffle:
+                order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(
+                    self.cfg.trainer.seed * 1000 + self.step * 10 + epoch)).tolist()
+            for rows in split_rows(order, mini):
+                micros = [pack_rows(batch, r, keys) for r in split_rows(rows, micro_size or len(rows))]
+                tokens = int(batch.response_mask[rows].sum())
+                result = worker.train_step(micros, make_loss(tokens, len(rows)), skip)
+                collected.append(result)
+        for key in collected[0]["micro"][0]:
+            per_step = [sum(m[key] for m in r["micro"]) if key in SHARE_METRICS else
+                        float(np.mean([m[key] for m in r["micro"]])) for r in collected]
+            metrics[key] = float(np.mean(per_step))
+        metrics[f"{role}/grad_norm"] = float(np.nanmean([r["grad_norm"] for r in collected])) if any(
+            r["update_skipped"] == 0 for r in collected) else float("nan")
+        metrics[f"{role}/lr"] = collected[-1]["lr"]
+        metrics[f"{role}/updates_skipped"] = float(sum(r["update_skipped"] for r in collected))
+
+    def record(self, batch: RolloutBatch, metrics: dict) -> None:
+        lengths = batch.response_lengths.float()
+        tokens = batch.num_tokens(range(batch.size))
+        metrics.update({
+            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float((lengths >= batch.responses.shape[1]).float().mean()),
+            "perf/total_num_tokens": float(tokens),
+            "perf/tokens_per_s": tokens / max(metrics.get("timing/step", 0.0), 1e-9),
+        })
+        if self.p.kl_ctrl is not None:
+            metrics["actor/kl_coef"] = float(self.p.kl_ctrl.value)
+        if self.p.dumper is not None:
+            self.p.dumper(self.step, batch)
+
+    def validate(self) -> dict:
+        """Greedy (val_kwargs) generation on the validation prompts; mean reward per data source."""
+        ds = self.p.val_dataset
+        size = self.cfg.data.val_batch_size or len(ds)
+        scores, sources = [], []
+        for rows in split_rows(list(range(len(ds))), size):
+            batch = self.rollout(ds.collate(rows), sampling=self.cfg.rollout.val_kwargs, n=1)
+            self.score(batch, {})
+            scores += batch.tensors["sequence_scores"].tolist()
+            sources += batch.meta["data_source"]
+        return {f"val/test_score/{src}": float(np.mean([s for s, d in zip(scores, sources) if d == src]))
+                for src in sorted(set(sources))}
+
+    def sampling_params(self, s) -> SamplingParams:
+        tok = self.p.tokenizer
+        return SamplingParams(
+            max_response_length=self.cfg.data.max_response_length, temperature=s.temperature if s.do_sample else 1.0,
+            top_k=max(s.top_k, 0), top_p=s.top_p, greedy=not s.do_sample,
+            eos_token_ids=tuple(self.p.eos_token_ids), pad_token_id=tok.pad_token_id,
+            seed=self.cfg.trainer.seed * 100003 + self.step)
