@@ -7,8 +7,11 @@ needs no communication: with p = softmax(x) and sum_px = sum_j p_j x_j,
 evaluated on the local shard from the saved per-token scalars. Tokens are processed in chunks so the fp32
 working set stays chunk_size x V/TP. Vocab entries at or beyond ``vocab_size`` (megatron's padding) are masked.
 
-With TP = 1 and no vocab padding, the computation is routed through ``megatron_ppo.ops`` when it provides the
-TP-decomposed pieces (see ``_ops_pieces``); otherwise the torch path below runs.
+Per chunk, the statistics and the backward come from ``megatron_ppo.ops``' TP pieces (``partial_stats``,
+``rebase_stats``, ``finish_stats``, ``logprobs_entropy_backward``: the fused kernels where built, else their torch
+reference) when ops imports; this module adds the TP all-reduces, vocab-padding removal (the padded columns are
+cut off the shard, their gradient is 0), temperature and chunking. ``impl='torch'`` keeps an independent
+all-torch path (the fallback, and a cross-check in tests).
 """
 from __future__ import annotations
 
@@ -57,51 +60,99 @@ def _compute_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
+def _ops_module():
+    try:
+        from megatron_ppo import ops
+    except ImportError:
+        return None
+    needed = ("partial_stats", "rebase_stats", "finish_stats", "logprobs_entropy_backward")
+    return ops if all(hasattr(ops, n) for n in needed) else None
+
+
+def _chunk_view(logits, s, e, n_valid, temperature):
+    """Rows s:e of this shard, padded vocab columns cut off, divided by the temperature (in fp32: bf16 would round)."""
+    x = logits[s:e, :n_valid]
+    return x.to(_compute_dtype(logits)) / temperature if temperature != 1.0 else x
+
+
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
+    """Chunked over tokens; per chunk either the torch path below or the ``megatron_ppo.ops`` TP pieces."""
+
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, vocab_size, temperature, chunk, group, world):
-        n = logits.shape[0]
+    def forward(ctx, logits, targets, vocab_start, vocab_size, temperature, chunk, group, world, use_ops):
+        n, v_local = logits.shape
+        n_valid = max(0, min(v_local, vocab_size - vocab_start))
         cdt = _compute_dtype(logits)
         logp = torch.empty(n, dtype=cdt, device=logits.device)
         ent = torch.empty_like(logp)
         stats = torch.empty(3, n, dtype=cdt, device=logits.device)  # max, log-normaliser, sum_px
+        ops = _ops_module() if use_ops else None
         for s in range(0, n, chunk):
-            x = logits[s:s + chunk].to(cdt) / temperature
-            m, se, sex, tl = _chunk_stats(x, targets[s:s + chunk], vocab_start, vocab_size, group, world)
+            e = min(n, s + chunk)
+            t = targets[s:e]
+            if ops is not None:
+                x = _chunk_view(logits, s, e, n_valid, temperature)
+                part = ops.partial_stats(x, t, vocab_start)
+                gmax = part[0].clone()
+                if world > 1:
+                    dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+                summed = ops.rebase_stats(part, gmax)
+                if world > 1:
+                    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+                lp, h, log_z = ops.finish_stats(gmax, summed)
+                logp[s:e], ent[s:e] = lp, h
+                stats[0, s:e], stats[1, s:e], stats[2, s:e] = gmax, log_z, h  # (ops layout: entropy)
+                continue
+            x = logits[s:e].to(cdt) / temperature
+            m, se, sex, tl = _chunk_stats(x, t, vocab_start, vocab_size, group, world)
             log_z = m + torch.log(se)
             sum_px = sex / se
-            logp[s:s + chunk] = tl - log_z
-            ent[s:s + chunk] = log_z - sum_px
-            stats[0, s:s + chunk], stats[1, s:s + chunk], stats[2, s:s + chunk] = m, log_z, sum_px
+            logp[s:e] = tl - log_z
+            ent[s:e] = log_z - sum_px
+            stats[0, s:e], stats[1, s:e], stats[2, s:e] = m, log_z, sum_px
         ctx.save_for_backward(logits, targets, stats)
-        ctx.cfg = (vocab_start, vocab_size, temperature, chunk)
+        ctx.cfg = (vocab_start, vocab_size, temperature, chunk, ops is not None)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, targets, stats = ctx.saved_tensors
-        vocab_start, vocab_size, temperature, chunk = ctx.cfg
+        vocab_start, vocab_size, temperature, chunk, with_ops = ctx.cfg
         n, v_local = logits.shape
-        grad = torch.empty_like(logits)
+        n_valid = max(0, min(v_local, vocab_size - vocab_start))
+        grad = torch.zeros_like(logits) if n_valid < v_local else torch.empty_like(logits)
         col = torch.arange(vocab_start, vocab_start + v_local, device=logits.device)
         valid_col = col < vocab_size
         cdt = _compute_dtype(logits)
         g_logp = torch.zeros(n, dtype=cdt, device=logits.device) if g_logp is None else g_logp.to(cdt)
         g_ent = torch.zeros(n, dtype=cdt, device=logits.device) if g_ent is None else g_ent.to(cdt)
+        ops = _ops_module() if with_ops else None
         for s in range(0, n, chunk):
-            x = logits[s:s + chunk].to(cdt) / temperature
-            _, log_z, sum_px = stats[:, s:s + chunk]
+            e = min(n, s + chunk)
+            t = targets[s:e]
+            if ops is not None:
+                if n_valid:
+                    x = _chunk_view(logits, s, e, n_valid, temperature)
+                    log_z, h = stats[1, s:e], stats[2, s:e]
+                    g = ops.logprobs_entropy_backward(x, t, vocab_start, log_z, h,
+                                                      g_logp[s:e].contiguous(), g_ent[s:e].contiguous())
+                    grad[s:e, :n_valid] = (g / temperature).to(grad.dtype) if temperature != 1.0 else g
+                continue
+            x = logits[s:e].to(cdt) / temperature
+            _, log_z, sum_px = stats[:, s:e]
             p = torch.exp(x - log_z.unsqueeze(-1))
             p = torch.where(valid_col, p, torch.zeros_like(p))
             x0 = torch.where(valid_col, x, torch.zeros_like(x))
-            gl, ge = g_logp[s:s + chunk].unsqueeze(-1), g_ent[s:s + chunk].unsqueeze(-1)
+            gl, ge = g_logp[s:e].unsqueeze(-1), g_ent[s:e].unsqueeze(-1)
             gx = -p * (gl + ge * (x0 - sum_px.unsqueeze(-1)))
-            t = targets[s:s + chunk]
             in_shard = (t >= vocab_start) & (t < vocab_start + v_local)
             local_t = (t - vocab_start).clamp(0, v_local - 1)
             gx.scatter_add_(-1, local_t.unsqueeze(-1), (gl.squeeze(-1) * in_shard).unsqueeze(-1))
-            grad[s:s + chunk] = (gx / temperature).to(grad.dtype)
-        return grad, None, None, None, None, None, None, None
+            grad[s:e] = (gx / temperature).to(grad.dtype)
+        return grad, None, None, None, None, None, None, None, None
+
+
+IMPLS = ("auto", "ops", "torch")
 
 
 def vocab_parallel_logprobs_entropy(
@@ -112,15 +163,20 @@ def vocab_parallel_logprobs_entropy(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK,
     tp_group=None,
+    impl: str = "auto",
 ):
     """Log-prob of ``targets`` and entropy of softmax(logits / temperature), from TP-sharded logits.
 
     logits: [..., V_padded / TP] (this rank's contiguous vocab shard, megatron's layout); targets: [...] global
     token ids. vocab_size: the true vocab (entries beyond it are padding and masked); None = no padding.
+    impl: 'ops' = the per-chunk statistics and backward of ``megatron_ppo.ops`` (kernels, or its torch reference),
+    'torch' = this module's own torch path, 'auto' = ops when it imports.
     Returns (log_probs, entropy), both [...] float32 (float64 for float64 logits), differentiable w.r.t. logits.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: leading dims differ")
     group, rank, world = _tp_info(tp_group)
@@ -130,33 +186,17 @@ def vocab_parallel_logprobs_entropy(
         vocab_size = v_local * world
     if vocab_size > v_local * world:
         raise ValueError(f"vocab_size={vocab_size} exceeds the sharded vocab {v_local} x {world}")
+    use_ops = impl == "ops" or (impl == "auto" and _ops_module() is not None)
+    if use_ops and _ops_module() is None:
+        raise RuntimeError("impl='ops' but megatron_ppo.ops (partial_stats, ...) is not importable")
     lead = logits.shape[:-1]
     flat_logits = logits.reshape(-1, v_local)
     flat_targets = targets.reshape(-1).long()
-    if world == 1 and vocab_size == v_local:
-        routed = _ops_route(flat_logits, flat_targets, temperature)
-        if routed is not None:
-            logp, ent = routed
-            return logp.reshape(lead), ent.reshape(lead)
+    if flat_targets.numel() and (int(flat_targets.min()) < 0 or int(flat_targets.max()) >= vocab_size):
+        raise ValueError(f"targets must lie in [0, vocab_size={vocab_size})")
     logp, ent = _VocabParallelLogprobEntropy.apply(flat_logits, flat_targets, vocab_start, vocab_size,
-                                                   float(temperature), int(chunk_size), group, world)
+                                                   float(temperature), int(chunk_size), group, world, use_ops)
     return logp.reshape(lead), ent.reshape(lead)
-
-
-def _ops_route(logits, targets, temperature):
-    """Full-vocab logits on one rank: use ``megatron_ppo.ops.token_logprobs_entropy`` when the kernels exist."""
-    try:
-        from megatron_ppo import ops
-    except ImportError:
-        return None
-    fn = getattr(ops, "token_logprobs_entropy", None)
-    if fn is None:
-        return None
-    x = logits if temperature == 1.0 else logits / temperature
-    logp, ent = fn(x, targets)
-    if logits.requires_grad and logp.grad_fn is None:
-        return None  # a forward-only kernel: keep the differentiable torch path for training
-    return logp.float(), ent.float()
 
 
 def next_token_targets(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None):

@@ -7,7 +7,7 @@ import torch
 pytestmark = pytest.mark.slow
 
 
-def _job(rank, world, dtype_name, temperature):
+def _job(rank, world, dtype_name, temperature, impl):
     import torch.distributed as dist
 
     from megatron_ppo.models.logprobs import vocab_parallel_logprobs_entropy
@@ -22,7 +22,7 @@ def _job(rank, world, dtype_name, temperature):
     shard = full[:, rank * 256:(rank + 1) * 256].to(dtype).requires_grad_(True)
     group = dist.new_group([0, 1])
     logp, ent = vocab_parallel_logprobs_entropy(shard, targets, vocab_size=vocab, temperature=temperature,
-                                                chunk_size=8, tp_group=group)
+                                                chunk_size=8, tp_group=group, impl=impl)
     (grad,) = torch.autograd.grad((w1 * logp.double() + w2 * ent.double()).sum(), shard)
 
     ref_in = full.clone().requires_grad_(True)
@@ -39,10 +39,11 @@ def _job(rank, world, dtype_name, temperature):
     }
 
 
+@pytest.mark.parametrize("impl", ["ops", "torch"])
 @pytest.mark.parametrize("dtype_name,tol", [("float64", 1e-12), ("float32", 2e-5)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_vocab_parallel_tp2_matches_float64(dist_pool2, dtype_name, tol, temperature):
-    for rank, r in enumerate(dist_pool2.run(_job, dtype_name, temperature)):
+def test_vocab_parallel_tp2_matches_float64(dist_pool2, dtype_name, tol, temperature, impl):
+    for rank, r in enumerate(dist_pool2.run(_job, dtype_name, temperature, impl)):
         assert r["pad_grad"] == 0.0
         for key in ("logp", "ent", "grad"):
             assert r[key] <= tol, f"rank {rank} {dtype_name} T={temperature}: {key} differs by {r[key]}"

@@ -67,7 +67,8 @@ def _job_equivalence(rank, world, layout, role):
         ref_w, ref_m, ref_g = _run(role, False, mbs, vocab=vocab)
     finally:
         parallel.destroy(destroy_process_group=False)
-    tp, pp, sp = {"tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False)}[layout]
+    tp, pp, sp = {"tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False),
+                  "tp2pp2sp": (2, 2, True)}[layout]
     parallel.initialize(tp=tp, pp=pp, seed=99)  # another seed: the weights must come from the TP1 model
     try:
         _, got_m, got_g = _run(role, sp, mbs, full_sd=ref_w, vocab=vocab)
@@ -106,3 +107,21 @@ def test_layout_matches_tp1(dist_pool2, layout, role):
     if layout == "pp2":  # the last stage reports outputs, both stages report their own gradients
         keys = set().union(*(r["diffs"] for r in results))
         assert any(k.startswith("mb1.") for k in keys)
+
+
+@pytest.fixture(scope="module")
+def dist_pool4():
+    """4 ranks on the 2-core machine: slow to start (4 megatron imports), so one module-scoped pool."""
+    from megatron_ppo.parallel.launch import LocalWorkerPool
+
+    with LocalWorkerPool(4) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_tp2_pp2_sp_matches_tp1(dist_pool4, role):
+    results = dist_pool4.run(_job_equivalence, "tp2pp2sp", role)
+    assert sum(r["last"] for r in results) == 2  # the two TP ranks of the last stage
+    for rank, r in enumerate(results):
+        bad = {k: v for k, v in r["diffs"].items() if not v <= TOL}
+        assert not bad, f"rank {rank} tp2pp2sp {role}: differences above {TOL}: {bad}"
