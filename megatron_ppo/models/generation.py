@@ -86,7 +86,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = torch.argmax(logits, dim=-1)
     else:
         probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
-        tokens = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -191,7 +191,7 @@ def generate(model, prompts: list[torch.Tensor], params: SamplingParams, *, use_
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     resp_len = torch.zeros(b, dtype=torch.long, device=device)
     eos = torch.tensor(sorted(set(params.eos_token_ids)), dtype=torch.long, device=device)
-    gen = torch.Generator().manual_seed(int(params.seed))
+    gen = torch.Generator(device=device).manual_seed(int(params.seed))
     rows = torch.arange(b, device=device)
 
     was_training = core.training
