@@ -1,4 +1,5 @@
-"""`megatron-ppo convert hf-to-mcore | mcore-to-hf`: checkpoint conversion that streams and proves completeness.
+"""`megatron-ppo convert hf-to-mcore | mcore-to-hf | verify`: checkpoint conversion that streams and proves
+completeness.
 
 hf-to-mcore: an HF Llama/Qwen2 directory (safetensors, or pytorch_model*.bin read with weights_only) -> a Megatron
 dist_checkpointing (torch_dist) checkpoint loadable at any TP/PP (the format the trainer saves and resumes from),
@@ -17,7 +18,6 @@ import contextlib
 import json
 import logging
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -69,9 +69,11 @@ class ConversionReport:
     direction: str
     out_dir: str
     seconds: float
-    peak_rss_bytes: int
-    peak_rss_children_bytes: int
-    baseline_rss_bytes: int
+    peak_rss_bytes: int  # sampled while converting (after imports)
+    peak_anon_rss_bytes: int  # the same without file-backed (memory-mapped) pages
+    baseline_rss_bytes: int  # RSS when the piece loop started
+    baseline_anon_rss_bytes: int
+    largest_piece_bytes: int  # the biggest unit held at once (a layer, the embedding, or an HF shard + a layer)
     ledger: dict
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -109,16 +111,59 @@ def atomic_output_dir(final: str, overwrite: bool = False):
         raise
 
 
-def _peak_rss() -> tuple[int, int]:
-    """(this process, its largest child) peak resident set sizes in bytes (Linux reports KiB)."""
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
-
-
 def _current_rss() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+def _rss_text() -> str:
+    import psutil
+
+    info = psutil.Process().memory_info()
+    return f"RSS {_fmt_bytes(info.rss)} (file-backed/shared {_fmt_bytes(info.shared)})"
+
+
+class RssSampler:
+    """Peak resident set size of this process while a block runs (a thread samples it every ``interval`` s).
+
+    ``baseline`` is the RSS on entry, after the imports: peak - baseline is what the conversion itself held.
+    ``peak_anon`` leaves out file-backed pages (memory-mapped safetensors), which the kernel can drop at will.
+    """
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.baseline = self.baseline_anon = self.peak = self.peak_anon = 0
+        self._stop = None
+
+    def _sample(self, proc) -> None:
+        info = proc.memory_info()
+        self.peak = max(self.peak, info.rss)
+        self.peak_anon = max(self.peak_anon, info.rss - info.shared)
+
+    def __enter__(self):
+        import threading
+
+        import psutil
+
+        self._proc = psutil.Process()
+        info = self._proc.memory_info()
+        self.baseline, self.baseline_anon = info.rss, info.rss - info.shared
+        self._sample(self._proc)
+        self._stop = threading.Event()
+
+        def loop():
+            while not self._stop.wait(self.interval):
+                self._sample(self._proc)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._sample(self._proc)
 
 
 def _print_table(table) -> None:
@@ -141,10 +186,10 @@ def _check_hf_inventory(arch, ck: HFCheckpoint) -> dict[str, list[str]]:
     problems = []
     missing = [n for n in expected if n not in ck.entries]
     if missing:
-        problems.append(f"missing tensors {missing[:10]}" + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+        problems.append(f"missing tensors {_few(missing)}")
     if classes["unknown"]:
         unknown = classes["unknown"]
-        problems.append(f"unknown tensors {unknown[:10]}" + (f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else ""))
+        problems.append(f"unknown tensors {_few(unknown)}")
     for n in classes["expected"] + classes["tied_duplicate"]:
         want = expected.get(n, expected[HF_EMBED])
         got = ck.entries[n].shape
@@ -156,6 +201,10 @@ def _check_hf_inventory(arch, ck: HFCheckpoint) -> dict[str, list[str]]:
         raise ConversionError(f"--hf {ck.dir}: checkpoint does not match its config "
                               f"({arch.extra.get('hf_model_type')}, {arch.num_layers} layers): " + "; ".join(problems))
     return classes
+
+
+def _few(names: list[str], n: int = 10) -> str:
+    return f"{names[:n]}" + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
 def _sharded_objects(key_prefix: str, layer: int, num_layers: int) -> dict:
@@ -189,7 +238,6 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
                 overwrite: bool = False, key_prefix: str = "", quiet: bool = False) -> ConversionReport:
     """Convert an HF Llama/Qwen2 checkpoint directory into a Megatron dist checkpoint at ``out_dir``."""
     t0 = time.perf_counter()
-    baseline = _current_rss()
     arch = arch_from_hf_config(hf_dir)
     validate_layout(arch, tp, pp)
     target_dtype = DTYPES[dtype] if dtype not in (None, "auto") else None
@@ -212,42 +260,16 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
         os.makedirs(os.path.join(tmp, HF_CONFIG_SUBDIR))
         copied = copy_non_weight_files(hf_dir, os.path.join(tmp, HF_CONFIG_SUBDIR))
         writer = DistCheckpointWriter(tmp)
-        peak_piece_rss = 0
-        for piece in pieces:
-            names = list(piece.hf_names)
-            if piece.name == "embedding" and classes["tied_duplicate"]:
-                names.append(HF_LM_HEAD)
-            hf = ck.read(names)
-            if HF_LM_HEAD in hf and arch.tie_word_embeddings:
-                if not torch.equal(hf.pop(HF_LM_HEAD), hf[HF_EMBED]):
-                    raise ConversionError(f"--hf {hf_dir}: tie_word_embeddings is true but {HF_LM_HEAD} differs from "
-                                          f"{HF_EMBED}")
-                ledger.skip(HF_LM_HEAD, "tied duplicate of the embedding (checked equal)")
-            sharded = {}
-            for m in piece.maps:
-                dts = {hf[n].dtype for n in m.hf_names}
-                if len(dts) > 1:
-                    raise ConversionError(f"{m.hf_names} are fused into {m.mcore_key} but have dtypes {sorted(map(str, dts))}")
-                t = to_mcore(m, hf, arch)
-                if target_dtype is not None:
-                    t = t.to(target_dtype)
-                for n in m.hf_names:
-                    ledger.consume(n)
-                ledger.write((m.mcore_key, m.layer), t.numel())
-                if m.kind == "vocab":
-                    ledger.padding_added += (m.shape[0] - arch.vocab_size) * m.shape[1]
-                if written_dtypes.setdefault(m.mcore_key, t.dtype) != t.dtype:
-                    raise ConversionError(f"{m.mcore_key}: layer {m.layer} is {t.dtype}, earlier layers "
-                                          f"{written_dtypes[m.mcore_key]} (one dtype per checkpoint tensor)")
-                sharded.update(_sharded_tensors(m, t, L, key_prefix))
-                del t
-            if piece.layer is not None:
-                sharded.update(_sharded_objects(key_prefix, piece.layer, L))
-            del hf
-            peak_piece_rss = max(peak_piece_rss, _current_rss())
-            writer.save_piece(piece.name, sharded)
-            del sharded
-        writer.finish()
+        largest = 0
+        with RssSampler() as rss:
+            for piece in pieces:
+                sharded, nbytes = _mcore_piece(piece, ck, arch, classes, target_dtype, key_prefix, ledger,
+                                               written_dtypes)
+                largest = max(largest, nbytes)
+                writer.save_piece(piece.name, sharded)
+                del sharded
+                logger.debug("%s saved: %s", piece.name, _rss_text())
+            writer.finish()
         _verify_mcore_output(tmp, arch, tp, key_prefix, written_dtypes)
         ledger.check()
         manifest = {
@@ -265,9 +287,9 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
-    peak, peak_children = _peak_rss()
-    report = ConversionReport("hf-to-mcore", os.path.abspath(out_dir), time.perf_counter() - t0, peak, peak_children,
-                              baseline, ledger.summary(), files=sorted(os.listdir(out_dir)))
+    report = ConversionReport("hf-to-mcore", os.path.abspath(out_dir), time.perf_counter() - t0, rss.peak,
+                              rss.peak_anon, rss.baseline, rss.baseline_anon, largest, ledger.summary(),
+                              files=sorted(os.listdir(out_dir)))
     if not quiet:
         _print_table(ledger.table(_report_rows(report, [
             ("layout", f"TP={tp} PP={pp}, stages hold layers "
@@ -277,11 +299,48 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
     return report
 
 
+def _mcore_piece(piece, ck, arch, classes, target_dtype, key_prefix, ledger, written_dtypes) -> tuple[dict, int]:
+    """Read one piece's HF tensors, map them, and return (its ShardedTensors/Objects, bytes they hold)."""
+    names = list(piece.hf_names)
+    if piece.name == "embedding" and classes["tied_duplicate"]:
+        names.append(HF_LM_HEAD)
+    hf = ck.read(names)
+    if HF_LM_HEAD in hf and arch.tie_word_embeddings:
+        if not torch.equal(hf.pop(HF_LM_HEAD), hf[HF_EMBED]):
+            raise ConversionError(f"--hf {ck.dir}: tie_word_embeddings is true but {HF_LM_HEAD} differs from "
+                                  f"{HF_EMBED}")
+        ledger.skip(HF_LM_HEAD, "tied duplicate of the embedding (checked equal)")
+    sharded, nbytes = {}, 0
+    for m in piece.maps:
+        dts = {hf[n].dtype for n in m.hf_names}
+        if len(dts) > 1:
+            raise ConversionError(f"{m.hf_names} are fused into {m.mcore_key} but have dtypes {sorted(map(str, dts))}")
+        t = to_mcore(m, hf, arch)
+        if target_dtype is not None:
+            t = t.to(target_dtype)
+        for n in m.hf_names:
+            ledger.consume(n)
+        ledger.write((m.mcore_key, m.layer), t.numel())
+        if m.kind == "vocab":
+            ledger.padding_added += (m.shape[0] - arch.vocab_size) * m.shape[1]
+        if written_dtypes.setdefault(m.mcore_key, t.dtype) != t.dtype:
+            raise ConversionError(f"{m.mcore_key}: layer {m.layer} is {t.dtype}, earlier layers "
+                                  f"{written_dtypes[m.mcore_key]} (one dtype per checkpoint tensor)")
+        nbytes += t.numel() * t.element_size()
+        sharded.update(_sharded_tensors(m, t, arch.num_layers, key_prefix))
+    if piece.layer is not None:
+        sharded.update(_sharded_objects(key_prefix, piece.layer, arch.num_layers))
+    return sharded, nbytes
+
+
 def _report_rows(report: ConversionReport, rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return rows + [
         ("time", f"{report.seconds:.1f} s"),
-        ("peak RSS (process / writer child)", f"{_fmt_bytes(report.peak_rss_bytes)} / "
-                                              f"{_fmt_bytes(report.peak_rss_children_bytes)}"),
+        ("memory", f"peak RSS {_fmt_bytes(report.peak_rss_bytes)} = {_fmt_bytes(report.baseline_rss_bytes)} before "
+                   f"converting + {_fmt_bytes(report.peak_rss_bytes - report.baseline_rss_bytes)} "
+                   f"(anonymous: +{_fmt_bytes(report.peak_anon_rss_bytes - report.baseline_anon_rss_bytes)}); "
+                   f"largest piece held "
+                   f"{_fmt_bytes(report.largest_piece_bytes)}"),
         ("output", report.out_dir),
     ]
 
@@ -364,11 +423,10 @@ def _check_mcore_inventory(reader: DistCheckpointReader, arch, key_prefix: str, 
 
 
 def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, dtype: str | None = None,
-                overwrite: bool = False, max_shard_size: str | int = "5GB", key_prefix: str = "",
+                overwrite: bool = False, max_shard_size: str | int = "2GB", key_prefix: str = "",
                 quiet: bool = False) -> ConversionReport:
     """Convert a Megatron dist checkpoint (any TP/PP) back to an HF safetensors directory at ``out_dir``."""
     t0 = time.perf_counter()
-    baseline = _current_rss()
     cfg_dir = hf_config or os.path.join(mcore_dir, HF_CONFIG_SUBDIR)
     if not os.path.isfile(os.path.join(cfg_dir, "config.json")):
         raise ConversionError(f"no HF config at {cfg_dir}/config.json: pass --hf-config DIR (an HF model directory "
@@ -391,33 +449,38 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, dtyp
                     hf_dtypes[n] = out_dtype or st.dtype
                     ledger.expect_target(n, _numel(hf_shapes[n]), category_of(n))
         plan = [(n, hf_shapes[n], hf_dtypes[n]) for n in hf_shapes]
-        notes = []
+        notes: list[str] = []
         with atomic_output_dir(out_dir, overwrite) as tmp:
             writer = ShardedSafetensorsWriter(tmp, plan, parse_size(max_shard_size))
-            for piece in pieces:
-                got = reader.read([(key_prefix + m.mcore_key, m.layer) for m in piece.maps])
-                for m in piece.maps:
-                    t = got.pop((key_prefix + m.mcore_key, m.layer))
-                    ledger.consume((m.mcore_key, m.layer))
-                    tensors, dropped = to_hf(m, t, arch)
-                    if dropped is not None and dropped.numel():
-                        ledger.padding_dropped += dropped.numel()
-                        peak = float(dropped.abs().max())
-                        if peak != 0.0:
-                            notes.append(f"{m.mcore_key}: dropped {dropped.shape[0]} vocab padding rows "
-                                         f"(max |value| {peak:.3g}; unused token ids beyond the vocab)")
-                    for n, x in tensors.items():
-                        x = x.to(hf_dtypes[n])
-                        writer.add(n, x)
-                        ledger.write(n, x.numel())
-                    del t, tensors
-            files = writer.finish()
+            largest = 0
+            with RssSampler() as rss:
+                for piece in pieces:
+                    got = reader.read([(key_prefix + m.mcore_key, m.layer) for m in piece.maps])
+                    piece_bytes = sum(t.numel() * t.element_size() for t in got.values())
+                    largest = max(largest, piece_bytes + writer.buffered_bytes)
+                    for m in piece.maps:
+                        t = got.pop((key_prefix + m.mcore_key, m.layer))
+                        ledger.consume((m.mcore_key, m.layer))
+                        tensors, dropped = to_hf(m, t, arch)
+                        if dropped is not None and dropped.numel():
+                            ledger.padding_dropped += dropped.numel()
+                            peak = float(dropped.abs().max())
+                            if peak != 0.0:
+                                notes.append(f"{m.mcore_key}: dropped {dropped.shape[0]} vocab padding rows "
+                                             f"(max |value| {peak:.3g}; unused token ids beyond the vocab)")
+                        for n, x in tensors.items():
+                            x = x.to(hf_dtypes[n])
+                            writer.add(n, x)
+                            ledger.write(n, x.numel())
+                        del t, tensors
+                    logger.debug("%s written: %s", piece.name, _rss_text())
+                files = writer.finish()
             copied = copy_non_weight_files(cfg_dir, tmp, rewrite_config=_config_dtype_update(cfg_dir, hf_dtypes))
             verify_written(tmp, plan)
             ledger.check()
-    peak, peak_children = _peak_rss()
-    report = ConversionReport("mcore-to-hf", os.path.abspath(out_dir), time.perf_counter() - t0, peak, peak_children,
-                              baseline, ledger.summary(), files=files + copied, notes=notes)
+    report = ConversionReport("mcore-to-hf", os.path.abspath(out_dir), time.perf_counter() - t0, rss.peak,
+                              rss.peak_anon, rss.baseline, rss.baseline_anon, largest, ledger.summary(),
+                              files=files + copied, notes=notes)
     for note in notes:
         logger.warning(note)
     if not quiet:
@@ -449,10 +512,38 @@ def _numel(shape) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Verification
+# ----------------------------------------------------------------------------------------------------------------
+def verify(hf_dir: str, mcore_dir: str, tokens: int = 32, batch: int = 2, seed: int = 0) -> float:
+    """Max |logit difference| between the HF model and the Megatron model (TP=1, PP=1, fp32) loaded from
+    ``mcore_dir``, on random tokens. Holds both models in memory: meant for models that fit on one machine."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ppo import parallel
+    from megatron_ppo.models.convert_verify import load_dist_checkpoint, megatron_logits
+    from megatron_ppo.models.gpt import build_gpt_model
+
+    arch = arch_from_hf_config(hf_dir)
+    ids = torch.randint(0, arch.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf_model(ids).logits.float()
+    del hf_model
+    parallel.initialize(tp=1, pp=1)
+    try:
+        model = build_gpt_model(arch).eval()
+        load_dist_checkpoint(model, mcore_dir, strict=False)
+        got = megatron_logits(model, ids, arch.vocab_size)
+    finally:
+        parallel.destroy()
+    return float((got - want).abs().max())
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-ppo convert", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="megatron-ppo convert", description="HF <-> Megatron checkpoint conversion")
     sub = p.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("hf-to-mcore", help="HF Llama/Qwen2 directory -> Megatron dist checkpoint")
     a.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors/bin + tokenizer)")
@@ -466,7 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-config", default=None,
                    help=f"HF directory with config.json + tokenizer (default: <mcore>/{HF_CONFIG_SUBDIR})")
     b.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="output dtype (auto: as stored)")
-    b.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
+    b.add_argument("--max-shard-size", default="2GB",
+                   help="largest safetensors shard, e.g. 2GB, 500MB (one shard is buffered in memory)")
+    v = sub.add_parser("verify", help="compare the logits of an HF model and its converted Megatron checkpoint")
+    v.add_argument("--hf", required=True, help="HF model directory")
+    v.add_argument("--mcore", required=True, help="Megatron dist checkpoint converted from it")
+    v.add_argument("--tokens", type=int, default=32, help="sequence length of the random test batch")
+    v.add_argument("--tol", type=float, default=1e-4, help="largest acceptable |logit difference| (fp32)")
     for q in (a, b):
         q.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (atomically)")
         q.add_argument("--key-prefix", default="", help="prefix of the model's keys in the dist checkpoint")
@@ -478,6 +575,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.direction == "verify":
+            diff = verify(args.hf, args.mcore, tokens=args.tokens)
+            ok = diff <= args.tol
+            print(f"max |logit difference| HF vs Megatron: {diff:.3g} ({'ok' if ok else 'FAILED'}, tol {args.tol:g})")
+            return 0 if ok else 1
         if args.direction == "hf-to-mcore":
             hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, overwrite=args.overwrite,
                         key_prefix=args.key_prefix, quiet=args.quiet)

@@ -204,6 +204,11 @@ class ShardedSafetensorsWriter:
         self.written: set[str] = set()
         self.total_bytes = 0
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held for shards not yet complete."""
+        return sum(t.numel() * t.element_size() for b in self.buffers for t in b.values())
+
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name not in self.plan:
             raise ConversionError(f"HF writer: {name!r} is not a tensor of the target model")

@@ -193,7 +193,10 @@ class DistCheckpointReader:
         return out
 
 
-def chunk_coverage_problems(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
+Chunk = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def chunk_coverage_problems(shape: tuple[int, ...], chunks: list[Chunk]) -> str | None:
     """None if the chunks tile the tensor exactly (every element written once), else what is wrong."""
     total = 1
     for s in shape:
@@ -209,7 +212,8 @@ def chunk_coverage_problems(shape: tuple[int, ...], chunks: list[tuple[tuple[int
         covered += n
         boxes.append((off, size))
     boxes.sort()
-    for i, (oa, za) in enumerate(boxes):  # sorted by offset: only boxes starting inside oa's first-axis span can overlap
+    # Sorted by offset: only boxes starting inside oa's first-axis span can overlap it.
+    for i, (oa, za) in enumerate(boxes):
         for ob, zb in boxes[i + 1:]:
             if shape and ob[0] >= oa[0] + za[0]:
                 break

@@ -104,8 +104,8 @@ def make_tiny_hf(kind: str, out_dir: str, seed: int = 0) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     elif kind == "llama_tied_llama3rope":
@@ -127,7 +127,8 @@ def make_tiny_hf(kind: str, out_dir: str, seed: int = 0) -> str:
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.5)
     model.eval().save_pretrained(out_dir)
-    Tokenizer(WordLevel({f"t{i}": i for i in range(TINY_VOCAB)}, unk_token="t0")).save(os.path.join(out_dir, "tokenizer.json"))
+    tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(TINY_VOCAB)}, unk_token="t0"))
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}, f)
     return out_dir

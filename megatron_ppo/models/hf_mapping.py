@@ -212,9 +212,12 @@ def pp_layer_ranges(num_layers: int, pp: int) -> list[range]:
 
 
 def tp_chunks(tensor: torch.Tensor, axis: int, parts: int) -> list[torch.Tensor]:
-    """The ``parts`` contiguous slices along ``axis`` (TP ranks' shards), each owning its own storage."""
+    """The ``parts`` contiguous slices along ``axis`` (TP ranks' shards), each owning its own storage (megatron's
+    writer would otherwise clone a view of a larger storage itself)."""
     if tensor.shape[axis] % parts:
         raise ConversionError(f"cannot split size {tensor.shape[axis]} of axis {axis} into {parts} TP parts")
+    if parts == 1:
+        return [tensor.contiguous()]
     return [c.clone(memory_format=torch.contiguous_format) for c in torch.chunk(tensor, parts, dim=axis)]
 
 

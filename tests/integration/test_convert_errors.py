@@ -117,8 +117,8 @@ def test_tied_lm_head_must_equal_embedding(tmp_path):
 
 
 def test_derived_rotary_buffers_are_skipped_and_counted(tiny_llama, tmp_path):
-    src = variant(tiny_llama, tmp_path / "hf",
-                  lambda t: {**t, **{f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(4)}})
+    buffers = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(4)}
+    src = variant(tiny_llama, tmp_path / "hf", lambda t: {**t, **buffers})
     report = hf_to_mcore(src, str(tmp_path / "out"), quiet=True)
     assert report.ledger["skipped"] == {"derived buffer (rotary inv_freq, recomputed)": 4}
 

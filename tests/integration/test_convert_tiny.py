@@ -68,7 +68,8 @@ def test_tp1_pp1_logits_match_hf_and_round_trip_is_bit_exact(kind, tiny_models, 
 
     mcore_to_hf(str(tmp_path / "mcore"), str(tmp_path / "hf_back"), quiet=True)
     assert compare_hf_checkpoints(hf_dir, str(tmp_path / "hf_back")) == []
-    assert_same_files(hf_dir, str(tmp_path / "hf_back"), names=("config.json", "tokenizer.json", "tokenizer_config.json"))
+    assert_same_files(hf_dir, str(tmp_path / "hf_back"),
+                      names=("config.json", "tokenizer.json", "tokenizer_config.json"))
 
 
 def test_checkpoint_written_at_tp2_loads_at_tp1(tiny_models, tmp_path, megatron_single):
@@ -126,7 +127,8 @@ def test_cli_both_directions(tiny_models, tmp_path, capsys):
 # Multi-process (gloo): TP=2 and PP=2 models load the converted checkpoints
 # ---------------------------------------------------------------------------------------------------------------
 def _rank_logits(rank, world_size, tp, pp, jobs):
-    """(A job of the 2-rank pool.) For each (name, hf_dir, ckpt_dir): build the model at TP x PP, load strictly, return last-stage logits."""
+    """(A job of the 2-rank pool.) For each (name, hf_dir, ckpt_dir): build the model at TP x PP, load it strictly,
+    return the last stage's logits."""
     from megatron.core import parallel_state as ps
 
     from megatron_ppo import parallel
@@ -171,3 +173,67 @@ def test_tp_pp_layouts_logits_match_hf_and_round_trip(tp, pp, tiny_models, tmp_p
         back = ckpt + "_hf"
         mcore_to_hf(ckpt, back, quiet=True)
         assert compare_hf_checkpoints(hf_dir, back) == []
+
+
+def test_piecewise_checkpoint_equals_one_shot_dist_checkpointing_save(tiny_models, tmp_path):
+    """The streaming writer's merged metadata describes exactly the chunks one ``dist_checkpointing.save`` of the
+    whole state dict (with megatron's access-integrity validation) writes, and both hold the same bytes."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_ppo.models.convert import _sharded_objects, _sharded_tensors
+    from megatron_ppo.models.convert_hf_io import HFCheckpoint
+    from megatron_ppo.models.convert_mcore_io import DistCheckpointReader, single_process_group
+    from megatron_ppo.models.hf_mapping import conversion_pieces, mcore_key_shapes, to_mcore
+
+    hf_dir = tiny_models["qwen2_untied"]
+    arch = arch_from_hf_config(hf_dir)
+    hf_to_mcore(hf_dir, str(tmp_path / "piecewise"), tp=2, quiet=True)
+    ck = HFCheckpoint(hf_dir)
+    state = {}
+    for piece in conversion_pieces(arch, 2):
+        hf = ck.read(piece.hf_names)
+        for m in piece.maps:
+            state.update(_sharded_tensors(m, to_mcore(m, hf, arch), arch.num_layers, ""))
+        if piece.layer is not None:
+            state.update(_sharded_objects("", piece.layer, arch.num_layers))
+    (tmp_path / "one_shot").mkdir()
+    with single_process_group():
+        dist_checkpointing.save(state, str(tmp_path / "one_shot"), validate_access_integrity=True)
+
+        def layout(path):
+            md = FileSystemReader(path).read_metadata()
+            return {k: (getattr(v, "size", None), getattr(getattr(v, "properties", None), "dtype", None),
+                        sorted((tuple(c.offsets), tuple(c.sizes)) for c in getattr(v, "chunks", [])))
+                    for k, v in md.state_dict_metadata.items()}
+
+        assert layout(str(tmp_path / "piecewise")) == layout(str(tmp_path / "one_shot"))
+        shapes = mcore_key_shapes(arch, 2)
+        a, b = DistCheckpointReader(str(tmp_path / "piecewise")), DistCheckpointReader(str(tmp_path / "one_shot"))
+        for key in shapes:
+            for layer in range(arch.num_layers) if key.startswith("decoder.layers.") else [None]:
+                assert torch.equal(a.read([(key, layer)])[(key, layer)], b.read([(key, layer)])[(key, layer)]), key
+
+
+def test_verify_subcommand_and_tool_wrappers(tiny_models, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    hf_dir = tiny_models["llama"]
+    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
+    proc = subprocess.run([sys.executable, os.path.join(tools, "convert_hf_to_mcore.py"), "--hf", hf_dir,
+                           "--out", str(tmp_path / "m"), "--quiet"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert convert_main(["verify", "--hf", hf_dir, "--mcore", str(tmp_path / "m")]) == 0
+    assert "max |logit difference| HF vs Megatron: 0 (ok" in capsys.readouterr().out
+    # The same architecture with other weights fails verification.
+    other = make_tiny_hf("llama", str(tmp_path / "other_hf"), seed=1)
+    assert convert_main(["verify", "--hf", other, "--mcore", str(tmp_path / "m")]) == 1
+    assert "FAILED" in capsys.readouterr().out
+    # A checkpoint exported against the wrong config is refused, naming what is missing.
+    proc = subprocess.run([sys.executable, os.path.join(tools, "convert_mcore_to_hf.py"), "--mcore",
+                           str(tmp_path / "m"), "--out", str(tmp_path / "x"), "--hf-config", tiny_models["qwen2"]],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "missing tensor 'decoder.layers.self_attention.linear_qkv.bias'" in proc.stderr
+    assert not os.path.exists(tmp_path / "x")
