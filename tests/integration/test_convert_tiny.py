@@ -215,6 +215,7 @@ def test_piecewise_checkpoint_equals_one_shot_dist_checkpointing_save(tiny_model
                 assert torch.equal(a.read([(key, layer)])[(key, layer)], b.read([(key, layer)])[(key, layer)]), key
 
 
+@pytest.mark.slow  # two subprocesses that import torch, megatron and transformers
 def test_verify_subcommand_and_tool_wrappers(tiny_models, tmp_path, capsys):
     import subprocess
     import sys
