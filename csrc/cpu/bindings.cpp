@@ -57,37 +57,51 @@ std::vector<at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
   return {adv, ret};
 }
 
-at::Tensor lse_partials(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start) {
+mppo_logits describe(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
+                     double inv_temperature) {
   check_rows(logits, target);
-  const auto dt = float_code(logits, "logits");
-  auto stats_dtype = dt == MPPO_F64 ? at::kDouble : at::kFloat;
-  auto out = at::empty({4, logits.size(0)}, logits.options().dtype(stats_dtype));
+  TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty vocabulary dim");
+  TORCH_CHECK(inv_temperature > 0, "inv_temperature must be > 0");
+  return {logits.data_ptr(), float_code(logits, "logits"), logits.size(0), logits.size(1), logits.stride(0),
+          target.data_ptr<int64_t>(), vocab_start, inv_temperature};
+}
+
+at::Tensor lse_partials(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
+                        double inv_temperature) {
+  const mppo_logits in = describe(logits, target, vocab_start, inv_temperature);
+  auto out = at::empty({4, logits.size(0)}, logits.options().dtype(in.dtype == MPPO_F64 ? at::kDouble : at::kFloat));
   {
     pybind11::gil_scoped_release no_gil;
-    mppo_cpu::lse_partials(logits.data_ptr(), dt, logits.size(0), logits.size(1), logits.stride(0),
-                           target.data_ptr<int64_t>(), vocab_start, out.data_ptr());
+    mppo_cpu::lse_partials(in, out.data_ptr());
   }
   return out;
 }
 
 at::Tensor lse_backward(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
-                        const at::Tensor& log_z, const at::Tensor& entropy, const at::Tensor& grad_logp,
-                        const at::Tensor& grad_entropy) {
-  check_rows(logits, target);
-  const auto dt = float_code(logits, "logits");
-  auto stats_dtype = dt == MPPO_F64 ? at::kDouble : at::kFloat;
+                        double inv_temperature, const at::Tensor& log_z, const at::Tensor& entropy,
+                        const at::Tensor& grad_logp, const at::Tensor& grad_entropy,
+                        const c10::optional<at::Tensor>& out) {
+  const mppo_logits in = describe(logits, target, vocab_start, inv_temperature);
+  const auto stats_dtype = in.dtype == MPPO_F64 ? at::kDouble : at::kFloat;
   std::vector<at::Tensor> rows;
   for (const auto* t : {&log_z, &entropy, &grad_logp, &grad_entropy}) {
     check_cpu(*t, "row statistics");
     TORCH_CHECK(t->dim() == 1 && t->size(0) == logits.size(0), "row statistics must be [N]");
     rows.push_back(t->to(stats_dtype).contiguous());
   }
-  auto grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor grad;
+  if (out.has_value()) {  // e.g. (a view of) the logits themselves: in-place backward
+    grad = *out;
+    TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
+                    grad.device() == logits.device() && grad.stride(1) == 1,
+                "out must have the logits' shape, dtype and device, contiguous in the vocabulary dim");
+  } else {
+    grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  }
   {
     pybind11::gil_scoped_release no_gil;
-    mppo_cpu::lse_backward(logits.data_ptr(), dt, logits.size(0), logits.size(1), logits.stride(0),
-                           target.data_ptr<int64_t>(), vocab_start, rows[0].data_ptr(), rows[1].data_ptr(),
-                           rows[2].data_ptr(), rows[3].data_ptr(), grad.data_ptr());
+    mppo_cpu::lse_backward(in, rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(), rows[3].data_ptr(),
+                           grad.data_ptr(), grad.stride(0));
   }
   return grad;
 }
@@ -97,6 +111,11 @@ at::Tensor lse_backward(const at::Tensor& logits, const at::Tensor& target, int6
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron_ppo CPU kernels: GAE and fused log-prob/entropy (OpenMP)";
   m.def("gae", &gae, "GAE advantages and returns (un-whitened, zero at masked positions)");
-  m.def("lse_partials", &lse_partials, "per-row [4, N] (max, sum-exp, sum exp*shifted logit, target logit)");
-  m.def("lse_backward", &lse_backward, "grad wrt logits of g_lp*logp + g_ent*entropy");
+  m.def("lse_partials", &lse_partials, "per-row [4, N] (max, sum-exp, sum exp*shifted logit, target logit)",
+        pybind11::arg("logits"), pybind11::arg("target"), pybind11::arg("vocab_start"),
+        pybind11::arg("inv_temperature"));
+  m.def("lse_backward", &lse_backward, "grad wrt logits of g_lp*logp + g_ent*entropy (into out when given)",
+        pybind11::arg("logits"), pybind11::arg("target"), pybind11::arg("vocab_start"),
+        pybind11::arg("inv_temperature"), pybind11::arg("log_z"), pybind11::arg("entropy"),
+        pybind11::arg("grad_logp"), pybind11::arg("grad_entropy"), pybind11::arg("out") = pybind11::none());
 }

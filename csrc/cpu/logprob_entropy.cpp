@@ -66,8 +66,8 @@ inline void from_float(const float* src, int64_t n, uint16_t* dst) {
 }
 
 template <typename T>
-inline __attribute__((always_inline)) void row_stats(const T* x, int64_t vocab, float* max_out, double* sum_exp,
-                                                     double* sum_exp_shifted) {
+inline __attribute__((always_inline)) void row_stats(const T* x, int64_t vocab, float scale, float* max_out,
+                                                     double* sum_exp, double* sum_exp_shifted) {
   float m = -std::numeric_limits<float>::infinity();
   int32_t n_nan = 0;
 #pragma omp simd reduction(max : m) reduction(+ : n_nan)
@@ -77,8 +77,9 @@ inline __attribute__((always_inline)) void row_stats(const T* x, int64_t vocab, 
     n_nan += v != v;
   }
   if (n_nan) m = std::numeric_limits<float>::quiet_NaN();  // NaN anywhere in the row -> NaN statistics
+  m *= scale;                                             // scale > 0: max of the scaled row
   *max_out = m;
-  if (m == -std::numeric_limits<float>::infinity()) {  // empty or all -inf shard row: contributes nothing
+  if (m == -std::numeric_limits<float>::infinity()) {  // all -inf shard row: contributes nothing
     *sum_exp = 0.0;
     *sum_exp_shifted = 0.0;
     return;
@@ -91,7 +92,7 @@ inline __attribute__((always_inline)) void row_stats(const T* x, int64_t vocab, 
     float s = 0.0f, w = 0.0f;
 #pragma omp simd reduction(+ : s, w)
     for (int64_t j = 0; j < n; ++j) {
-      const float d = xs[j] - m;
+      const float d = xs[j] * scale - m;
       const float e = exp_f(d);
       s += e;
       w += e * (d < kExpLow ? kExpLow : d);  // e == 0 there; avoids 0 * -inf
@@ -103,14 +104,17 @@ inline __attribute__((always_inline)) void row_stats(const T* x, int64_t vocab, 
   *sum_exp_shifted = w_total;
 }
 
-MPPO_CLONES void row_stats_f32(const float* x, int64_t v, float* m, double* s, double* w) { row_stats(x, v, m, s, w); }
-MPPO_CLONES void row_stats_bf16(const uint16_t* x, int64_t v, float* m, double* s, double* w) {
-  row_stats(x, v, m, s, w);
+MPPO_CLONES void row_stats_f32(const float* x, int64_t v, float t, float* m, double* s, double* w) {
+  row_stats(x, v, t, m, s, w);
+}
+MPPO_CLONES void row_stats_bf16(const uint16_t* x, int64_t v, float t, float* m, double* s, double* w) {
+  row_stats(x, v, t, m, s, w);
 }
 
+// grad_j = scale * -p_j (g_lp + g_ent (x_j - log_z + H)) with x_j = scale * logit_j (the target term is added after)
 template <typename T>
-inline __attribute__((always_inline)) void row_grad(const T* x, int64_t vocab, float log_z, float entropy,
-                                                    float g_lp, float g_ent, T* grad) {
+inline __attribute__((always_inline)) void row_grad(const T* x, int64_t vocab, float scale, float log_z,
+                                                    float entropy, float g_lp, float g_ent, T* grad) {
   const float shift = entropy - log_z;  // x - log_z + H = x + shift
   alignas(64) float in[kBlock];
   alignas(64) float out[kBlock];
@@ -119,145 +123,146 @@ inline __attribute__((always_inline)) void row_grad(const T* x, int64_t vocab, f
     const float* xs = as_float(x, start, start + n, in);
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
-      const float p = exp_f(xs[j] - log_z);
-      out[j] = p == 0.0f ? 0.0f : -p * (g_lp + g_ent * (xs[j] + shift));
+      const float xj = xs[j] * scale;
+      const float p = exp_f(xj - log_z);
+      out[j] = p == 0.0f ? 0.0f : -scale * p * (g_lp + g_ent * (xj + shift));
     }
     from_float(out, n, grad + start);
   }
 }
 
-MPPO_CLONES void row_grad_f32(const float* x, int64_t v, float lz, float h, float glp, float gent, float* g) {
-  row_grad(x, v, lz, h, glp, gent, g);
+MPPO_CLONES void row_grad_f32(const float* x, int64_t v, float t, float lz, float h, float glp, float gent, float* g) {
+  row_grad(x, v, t, lz, h, glp, gent, g);
 }
-MPPO_CLONES void row_grad_bf16(const uint16_t* x, int64_t v, float lz, float h, float glp, float gent, uint16_t* g) {
-  row_grad(x, v, lz, h, glp, gent, g);
+MPPO_CLONES void row_grad_bf16(const uint16_t* x, int64_t v, float t, float lz, float h, float glp, float gent,
+                               uint16_t* g) {
+  row_grad(x, v, t, lz, h, glp, gent, g);
 }
 
-// The target element gets + g_lp; recomputed in one expression so that bf16 output is rounded once.
+// The target element gets + scale * g_lp; recomputed in one expression so that bf16 output is rounded once. Takes
+// the target logit read *before* the row was written, so that grad may alias the logits (in-place backward).
 template <typename T>
-inline void add_target_grad(const T* x, int64_t local, float log_z, float entropy, float g_lp, float g_ent, T* grad) {
-  const float xj = load_f(x, local);
-  const float p = exp_f(xj - log_z);
-  const float g = (p == 0.0f ? 0.0f : -p * (g_lp + g_ent * (xj - log_z + entropy))) + g_lp;
+inline void set_target_grad(float x_target, int64_t local, float scale, float log_z, float entropy, float g_lp,
+                            float g_ent, T* grad) {
+  const float xt = x_target * scale;
+  const float p = exp_f(xt - log_z);
+  const float g = scale * ((p == 0.0f ? 0.0f : -p * (g_lp + g_ent * (xt - log_z + entropy))) + g_lp);
   store_f(grad, local, g);
 }
 
 template <typename T>
-void partials_low_precision(const T* logits, int64_t n_rows, int64_t vocab, int64_t row_stride, const int64_t* target,
-                            int64_t vocab_start, float* out) {
+void partials_low_precision(const mppo_logits& in, float* out) {
+  const T* logits = static_cast<const T*>(in.data);
+  const int64_t n_rows = in.n_rows, vocab = in.vocab;
+  const float scale = static_cast<float>(in.inv_temperature);
 #pragma omp parallel for schedule(dynamic, 4)
   for (int64_t n = 0; n < n_rows; ++n) {
-    const T* x = logits + n * row_stride;
+    const T* x = logits + n * in.row_stride;
     float m;
     double s, w;
-    if constexpr (sizeof(T) == 4) row_stats_f32(x, vocab, &m, &s, &w);
-    else row_stats_bf16(x, vocab, &m, &s, &w);
-    const int64_t local = target[n] - vocab_start;
+    if constexpr (sizeof(T) == 4) row_stats_f32(x, vocab, scale, &m, &s, &w);
+    else row_stats_bf16(x, vocab, scale, &m, &s, &w);
+    const int64_t local = in.target[n] - in.vocab_start;
     out[n] = m;
     out[n_rows + n] = static_cast<float>(s);
     out[2 * n_rows + n] = static_cast<float>(w);
-    out[3 * n_rows + n] = (local >= 0 && local < vocab) ? load_f(x, local) : 0.0f;
+    out[3 * n_rows + n] = (local >= 0 && local < vocab) ? load_f(x, local) * scale : 0.0f;
   }
 }
 
-void partials_f64(const double* logits, int64_t n_rows, int64_t vocab, int64_t row_stride, const int64_t* target,
-                  int64_t vocab_start, double* out) {
-  const double neg_inf = -std::numeric_limits<double>::infinity();
+void partials_f64(const mppo_logits& in, double* out) {
+  const double* logits = static_cast<const double*>(in.data);
+  const int64_t n_rows = in.n_rows, vocab = in.vocab;
+  const double scale = in.inv_temperature, neg_inf = -std::numeric_limits<double>::infinity();
 #pragma omp parallel for schedule(dynamic, 4)
   for (int64_t n = 0; n < n_rows; ++n) {
-    const double* x = logits + n * row_stride;
+    const double* x = logits + n * in.row_stride;
     double m = neg_inf;
     bool nan = false;
     for (int64_t j = 0; j < vocab; ++j) {
       m = x[j] > m ? x[j] : m;
       nan |= x[j] != x[j];
     }
-    if (nan) m = std::numeric_limits<double>::quiet_NaN();
+    m = nan ? std::numeric_limits<double>::quiet_NaN() : m * scale;
     double s = 0.0, w = 0.0;
     if (m != neg_inf) {
       for (int64_t j = 0; j < vocab; ++j) {
-        const double d = x[j] - m;
+        const double d = x[j] * scale - m;
         const double e = std::exp(d);
         s += e;
         w += e == 0.0 ? 0.0 : e * d;
       }
     }
-    const int64_t local = target[n] - vocab_start;
+    const int64_t local = in.target[n] - in.vocab_start;
     out[n] = m;
     out[n_rows + n] = s;
     out[2 * n_rows + n] = w;
-    out[3 * n_rows + n] = (local >= 0 && local < vocab) ? x[local] : 0.0;
+    out[3 * n_rows + n] = (local >= 0 && local < vocab) ? x[local] * scale : 0.0;
   }
 }
 
 template <typename T>
-void backward_low_precision(const T* logits, int64_t n_rows, int64_t vocab, int64_t row_stride, const int64_t* target,
-                            int64_t vocab_start, const float* log_z, const float* entropy, const float* g_lp,
-                            const float* g_ent, T* grad) {
+void backward_low_precision(const mppo_logits& in, const float* log_z, const float* entropy, const float* g_lp,
+                            const float* g_ent, T* grad, int64_t grad_row_stride) {
+  const T* logits = static_cast<const T*>(in.data);
+  const float scale = static_cast<float>(in.inv_temperature);
 #pragma omp parallel for schedule(dynamic, 4)
-  for (int64_t n = 0; n < n_rows; ++n) {
-    const T* x = logits + n * row_stride;
-    T* g = grad + n * vocab;
-    if constexpr (sizeof(T) == 4) row_grad_f32(x, vocab, log_z[n], entropy[n], g_lp[n], g_ent[n], g);
-    else row_grad_bf16(x, vocab, log_z[n], entropy[n], g_lp[n], g_ent[n], g);
-    const int64_t local = target[n] - vocab_start;
-    if (local >= 0 && local < vocab) add_target_grad(x, local, log_z[n], entropy[n], g_lp[n], g_ent[n], g);
+  for (int64_t n = 0; n < in.n_rows; ++n) {
+    const T* x = logits + n * in.row_stride;
+    T* g = grad + n * grad_row_stride;
+    const int64_t local = in.target[n] - in.vocab_start;
+    const bool mine = local >= 0 && local < in.vocab;
+    const float x_target = mine ? load_f(x, local) : 0.0f;
+    if constexpr (sizeof(T) == 4) row_grad_f32(x, in.vocab, scale, log_z[n], entropy[n], g_lp[n], g_ent[n], g);
+    else row_grad_bf16(x, in.vocab, scale, log_z[n], entropy[n], g_lp[n], g_ent[n], g);
+    if (mine) set_target_grad(x_target, local, scale, log_z[n], entropy[n], g_lp[n], g_ent[n], g);
   }
 }
 
-void backward_f64(const double* logits, int64_t n_rows, int64_t vocab, int64_t row_stride, const int64_t* target,
-                  int64_t vocab_start, const double* log_z, const double* entropy, const double* g_lp,
-                  const double* g_ent, double* grad) {
+void backward_f64(const mppo_logits& in, const double* log_z, const double* entropy, const double* g_lp,
+                  const double* g_ent, double* grad, int64_t grad_row_stride) {
+  const double* logits = static_cast<const double*>(in.data);
+  const double scale = in.inv_temperature;
 #pragma omp parallel for schedule(dynamic, 4)
-  for (int64_t n = 0; n < n_rows; ++n) {
-    const double* x = logits + n * row_stride;
-    double* g = grad + n * vocab;
-    const int64_t local = target[n] - vocab_start;
-    for (int64_t j = 0; j < vocab; ++j) {
-      const double p = std::exp(x[j] - log_z[n]);
-      const double term = p == 0.0 ? 0.0 : -p * (g_lp[n] + g_ent[n] * (x[j] - log_z[n] + entropy[n]));
-      g[j] = term + (j == local ? g_lp[n] : 0.0);
+  for (int64_t n = 0; n < in.n_rows; ++n) {
+    const double* x = logits + n * in.row_stride;
+    double* g = grad + n * grad_row_stride;
+    const int64_t local = in.target[n] - in.vocab_start;
+    for (int64_t j = 0; j < in.vocab; ++j) {  // element-wise: safe when grad aliases the logits
+      const double xj = x[j] * scale;
+      const double p = std::exp(xj - log_z[n]);
+      const double term = p == 0.0 ? 0.0 : -p * (g_lp[n] + g_ent[n] * (xj - log_z[n] + entropy[n]));
+      g[j] = scale * (term + (j == local ? g_lp[n] : 0.0));
     }
   }
 }
 
 }  // namespace
 
-void lse_partials(const void* logits, mppo_dtype dtype, int64_t n_rows, int64_t vocab, int64_t row_stride,
-                  const int64_t* target, int64_t vocab_start, void* out) {
-  switch (dtype) {
-    case MPPO_F32:
-      return partials_low_precision(static_cast<const float*>(logits), n_rows, vocab, row_stride, target, vocab_start,
-                                    static_cast<float*>(out));
-    case MPPO_BF16:
-      return partials_low_precision(static_cast<const uint16_t*>(logits), n_rows, vocab, row_stride, target,
-                                    vocab_start, static_cast<float*>(out));
-    case MPPO_F64:
-      return partials_f64(static_cast<const double*>(logits), n_rows, vocab, row_stride, target, vocab_start,
-                          static_cast<double*>(out));
+void lse_partials(const mppo_logits& logits, void* out) {
+  switch (logits.dtype) {
+    case MPPO_F32: return partials_low_precision<float>(logits, static_cast<float*>(out));
+    case MPPO_BF16: return partials_low_precision<uint16_t>(logits, static_cast<float*>(out));
+    case MPPO_F64: return partials_f64(logits, static_cast<double*>(out));
     default: return;
   }
 }
 
-void lse_backward(const void* logits, mppo_dtype dtype, int64_t n_rows, int64_t vocab, int64_t row_stride,
-                  const int64_t* target, int64_t vocab_start, const void* log_z, const void* entropy,
-                  const void* grad_logp, const void* grad_entropy, void* grad_logits) {
-  switch (dtype) {
+void lse_backward(const mppo_logits& logits, const void* log_z, const void* entropy, const void* grad_logp,
+                  const void* grad_entropy, void* grad, int64_t grad_row_stride) {
+  switch (logits.dtype) {
     case MPPO_F32:
-      return backward_low_precision(static_cast<const float*>(logits), n_rows, vocab, row_stride, target, vocab_start,
-                                    static_cast<const float*>(log_z), static_cast<const float*>(entropy),
+      return backward_low_precision(logits, static_cast<const float*>(log_z), static_cast<const float*>(entropy),
                                     static_cast<const float*>(grad_logp), static_cast<const float*>(grad_entropy),
-                                    static_cast<float*>(grad_logits));
+                                    static_cast<float*>(grad), grad_row_stride);
     case MPPO_BF16:
-      return backward_low_precision(static_cast<const uint16_t*>(logits), n_rows, vocab, row_stride, target,
-                                    vocab_start, static_cast<const float*>(log_z), static_cast<const float*>(entropy),
+      return backward_low_precision(logits, static_cast<const float*>(log_z), static_cast<const float*>(entropy),
                                     static_cast<const float*>(grad_logp), static_cast<const float*>(grad_entropy),
-                                    static_cast<uint16_t*>(grad_logits));
+                                    static_cast<uint16_t*>(grad), grad_row_stride);
     case MPPO_F64:
-      return backward_f64(static_cast<const double*>(logits), n_rows, vocab, row_stride, target, vocab_start,
-                          static_cast<const double*>(log_z), static_cast<const double*>(entropy),
+      return backward_f64(logits, static_cast<const double*>(log_z), static_cast<const double*>(entropy),
                           static_cast<const double*>(grad_logp), static_cast<const double*>(grad_entropy),
-                          static_cast<double*>(grad_logits));
+                          static_cast<double*>(grad), grad_row_stride);
     default: return;
   }
 }

@@ -1,7 +1,9 @@
 // torch bindings of the CUDA kernels (module megatron_ppo._kernels_cuda); built only where torch has CUDA.
 // Checks tensors, allocates outputs/workspace through torch's caching allocator, launches on the current stream.
-#include <ATen/cuda/CUDAContext.h>
+// Only c10/cuda headers (no ATen/cuda/CUDAContext.h, which pulls cuBLAS/cuSPARSE/cuSOLVER headers): the file then
+// also passes a syntax-only compile against a CPU torch plus the bare CUDA toolkit (tests/unit/test_ops_build.py).
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -56,46 +58,66 @@ std::vector<at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
   check_launch(mppo_cuda_gae(r.data_ptr(), float_code(r, "token_level_rewards"), v.data_ptr(), float_code(v, "values"),
                              reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()), adv.data_ptr(), ret.data_ptr(),
                              float_code(adv, "output dtype"), r.size(0), r.size(1), gamma, lam,
-                             static_cast<mppo_gae_algo>(algo), at::cuda::getCurrentCUDAStream()),
+                             static_cast<mppo_gae_algo>(algo), c10::cuda::getCurrentCUDAStream()),
                "gae");
   return {adv, ret};
 }
 
-at::Tensor lse_partials(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start) {
+mppo_logits describe(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
+                     double inv_temperature) {
   check_rows(logits, target);
   TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty vocabulary dim");
+  TORCH_CHECK(inv_temperature > 0, "inv_temperature must be > 0");
+  return {logits.data_ptr(), float_code(logits, "logits"), logits.size(0), logits.size(1), logits.stride(0),
+          target.data_ptr<int64_t>(), vocab_start, inv_temperature};
+}
+
+int sm_count() {
+  int device = 0, count = 0;
+  check_launch(cudaGetDevice(&device), "cudaGetDevice");
+  check_launch(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return count;
+}
+
+at::Tensor lse_partials(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
+                        double inv_temperature) {
   const c10::cuda::CUDAGuard guard(logits.device());
-  const auto dt = float_code(logits, "logits");
-  const int sm = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  auto out = at::empty({4, logits.size(0)}, logits.options().dtype(dt == MPPO_F64 ? at::kDouble : at::kFloat));
-  const size_t ws_bytes = mppo_cuda_lse_workspace_bytes(logits.size(0), logits.size(1), dt, sm);
+  const mppo_logits in = describe(logits, target, vocab_start, inv_temperature);
+  const int sm = sm_count();
+  auto out = at::empty({4, logits.size(0)}, logits.options().dtype(in.dtype == MPPO_F64 ? at::kDouble : at::kFloat));
+  const size_t ws_bytes = mppo_cuda_lse_workspace_bytes(in.n_rows, in.vocab, in.dtype, sm);
   auto ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));
-  check_launch(mppo_cuda_lse_partials(logits.data_ptr(), dt, logits.size(0), logits.size(1), logits.stride(0),
-                                      target.data_ptr<int64_t>(), vocab_start, out.data_ptr(),
-                                      ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, sm,
-                                      at::cuda::getCurrentCUDAStream()),
+  check_launch(mppo_cuda_lse_partials(in, out.data_ptr(), ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, sm,
+                                      c10::cuda::getCurrentCUDAStream()),
                "lse_partials");
   return out;
 }
 
 at::Tensor lse_backward(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
-                        const at::Tensor& log_z, const at::Tensor& entropy, const at::Tensor& grad_logp,
-                        const at::Tensor& grad_entropy) {
-  check_rows(logits, target);
+                        double inv_temperature, const at::Tensor& log_z, const at::Tensor& entropy,
+                        const at::Tensor& grad_logp, const at::Tensor& grad_entropy,
+                        const c10::optional<at::Tensor>& out) {
   const c10::cuda::CUDAGuard guard(logits.device());
-  const auto dt = float_code(logits, "logits");
-  const auto stats_dtype = dt == MPPO_F64 ? at::kDouble : at::kFloat;
+  const mppo_logits in = describe(logits, target, vocab_start, inv_temperature);
+  const auto stats_dtype = in.dtype == MPPO_F64 ? at::kDouble : at::kFloat;
   std::vector<at::Tensor> rows;
   for (const auto* t : {&log_z, &entropy, &grad_logp, &grad_entropy}) {
     check_cuda(*t, logits, "row statistics");
     TORCH_CHECK(t->dim() == 1 && t->size(0) == logits.size(0), "row statistics must be [N]");
     rows.push_back(t->to(stats_dtype).contiguous());
   }
-  auto grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
-  check_launch(mppo_cuda_lse_backward(logits.data_ptr(), dt, logits.size(0), logits.size(1), logits.stride(0),
-                                      target.data_ptr<int64_t>(), vocab_start, rows[0].data_ptr(), rows[1].data_ptr(),
-                                      rows[2].data_ptr(), rows[3].data_ptr(), grad.data_ptr(),
-                                      at::cuda::getCurrentCUDAStream()),
+  at::Tensor grad;
+  if (out.has_value()) {  // e.g. (a view of) the logits themselves: in-place backward
+    grad = *out;
+    TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
+                    grad.device() == logits.device() && grad.stride(1) == 1,
+                "out must have the logits' shape, dtype and device, contiguous in the vocabulary dim");
+  } else {
+    grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  }
+  check_launch(mppo_cuda_lse_backward(in, rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(),
+                                      rows[3].data_ptr(), grad.data_ptr(), grad.stride(0), sm_count(),
+                                      c10::cuda::getCurrentCUDAStream()),
                "lse_backward");
   return grad;
 }
@@ -105,6 +127,11 @@ at::Tensor lse_backward(const at::Tensor& logits, const at::Tensor& target, int6
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron_ppo CUDA kernels: GAE and fused log-prob/entropy";
   m.def("gae", &gae, "GAE advantages and returns (un-whitened, zero at masked positions); algo 0 auto 1 serial 2 scan");
-  m.def("lse_partials", &lse_partials, "per-row [4, N] (max, sum-exp, sum exp*shifted logit, target logit)");
-  m.def("lse_backward", &lse_backward, "grad wrt logits of g_lp*logp + g_ent*entropy");
+  m.def("lse_partials", &lse_partials, "per-row [4, N] (max, sum-exp, sum exp*shifted logit, target logit)",
+        pybind11::arg("logits"), pybind11::arg("target"), pybind11::arg("vocab_start"),
+        pybind11::arg("inv_temperature"));
+  m.def("lse_backward", &lse_backward, "grad wrt logits of g_lp*logp + g_ent*entropy (into out when given)",
+        pybind11::arg("logits"), pybind11::arg("target"), pybind11::arg("vocab_start"),
+        pybind11::arg("inv_temperature"), pybind11::arg("log_z"), pybind11::arg("entropy"),
+        pybind11::arg("grad_logp"), pybind11::arg("grad_entropy"), pybind11::arg("out") = pybind11::none());
 }

@@ -3,7 +3,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "../dtype.h"
+#include "../types.h"
 
 namespace mppo_cuda {
 

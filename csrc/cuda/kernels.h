@@ -5,7 +5,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "../dtype.h"
+#include "../types.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -25,19 +25,18 @@ cudaError_t mppo_cuda_gae(const void* rewards, mppo_dtype rewards_dtype, const v
 // Bytes of device workspace mppo_cuda_lse_partials needs for this shape (0 when one block per row suffices).
 size_t mppo_cuda_lse_workspace_bytes(int64_t n_rows, int64_t vocab, mppo_dtype logits_dtype, int sm_count);
 
-// out[4, N] (float32; float64 for float64 logits): local max, sum exp(x - max), sum exp(x - max)(x - max),
-// target logit (0 when the target is outside [vocab_start, vocab_start + vocab)). Rows longer than what one block
-// should stream are split over several blocks whose partials are merged by a second kernel (needs workspace).
-cudaError_t mppo_cuda_lse_partials(const void* logits, mppo_dtype logits_dtype, int64_t n_rows, int64_t vocab,
-                                   int64_t row_stride, const int64_t* target, int64_t vocab_start, void* out,
-                                   void* workspace, size_t workspace_bytes, int sm_count, cudaStream_t stream);
+// out[4, N] (float32; float64 for float64 logits) of x = logits * inv_temperature: local max, sum exp(x - max),
+// sum exp(x - max)(x - max), target logit (0 when the target is outside this shard); see csrc/cpu/kernels.h.
+// Rows that would leave the GPU idle (few rows) are split over several blocks whose partial triples are merged by
+// a second kernel (needs mppo_cuda_lse_workspace_bytes of workspace).
+cudaError_t mppo_cuda_lse_partials(mppo_logits logits, void* out, void* workspace, size_t workspace_bytes,
+                                   int sm_count, cudaStream_t stream);
 
-// grad_logits (logits dtype, contiguous [N, vocab]) of sum_n g_lp[n] logp[n] + g_ent[n] H[n]; the four row arrays
-// are in the statistics dtype (float32, or float64 for float64 logits).
-cudaError_t mppo_cuda_lse_backward(const void* logits, mppo_dtype logits_dtype, int64_t n_rows, int64_t vocab,
-                                   int64_t row_stride, const int64_t* target, int64_t vocab_start, const void* log_z,
-                                   const void* entropy, const void* grad_logp, const void* grad_entropy,
-                                   void* grad_logits, cudaStream_t stream);
+// grad wrt the logits (logits dtype, rows grad_row_stride apart; may alias the logits) of
+// sum_n g_lp[n] logp[n] + g_ent[n] H[n]; the four row arrays are in the statistics dtype.
+cudaError_t mppo_cuda_lse_backward(mppo_logits logits, const void* log_z, const void* entropy,
+                                   const void* grad_logp, const void* grad_entropy, void* grad,
+                                   int64_t grad_row_stride, int sm_count, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -28,15 +28,18 @@ def rows_per_chunk(vocab: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> 
     return max(1, chunk_elements // max(1, vocab))
 
 
-def lse_partials(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
+def lse_partials(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, inv_temperature: float = 1.0,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
-    """[4, N]: local max M, sum exp(x - M), sum exp(x - M)(x - M), target logit (0 outside this shard)."""
+    """[4, N] of x = logits * inv_temperature: local max M, sum exp(x - M), sum exp(x - M)(x - M), target logit
+    (0 outside this shard)."""
     n_rows, vocab = logits.shape
     dtype = stats_dtype(logits.dtype)
     out = torch.empty(4, n_rows, dtype=dtype, device=logits.device)
     step = rows_per_chunk(vocab, chunk_elements)
     for start in range(0, n_rows, step):
         x = logits[start:start + step].to(dtype)
+        if inv_temperature != 1.0:
+            x = x * inv_temperature
         m = x.amax(dim=-1) if vocab else torch.full((x.shape[0],), float("-inf"), dtype=dtype, device=x.device)
         has_nan = torch.isnan(x).any(dim=-1)
         m = torch.where(has_nan, torch.full_like(m, float("nan")), m)
@@ -53,10 +56,11 @@ def lse_partials(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
     return out
 
 
-def lse_backward(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, log_z: torch.Tensor,
-                 entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
+def lse_backward(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, inv_temperature: float,
+                 log_z: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
                  out: torch.Tensor | None = None, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
-    """grad_j = -p_j (g_lp + g_ent (x_j - log_z + H)) + g_lp [j == target], p_j = exp(x_j - log_z)."""
+    """With x = t * logits (t = inv_temperature), p_j = exp(x_j - log_z):
+    grad_j = t * (-p_j (g_lp + g_ent (x_j - log_z + H)) + g_lp [j == target])."""
     n_rows, vocab = logits.shape
     dtype = stats_dtype(logits.dtype)
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if out is None else out
@@ -64,6 +68,8 @@ def lse_backward(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, l
     for start in range(0, n_rows, step):
         stop = min(n_rows, start + step)
         x = logits[start:stop].to(dtype)
+        if inv_temperature != 1.0:
+            x = x * inv_temperature
         lz, h = log_z[start:stop].to(dtype).unsqueeze(-1), entropy[start:stop].to(dtype).unsqueeze(-1)
         glp, gent = grad_logp[start:stop].to(dtype).unsqueeze(-1), grad_entropy[start:stop].to(dtype).unsqueeze(-1)
         p = torch.exp(x - lz)
@@ -72,6 +78,8 @@ def lse_backward(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, l
         mine = (local >= 0) & (local < vocab)
         idx = local.clamp(0, max(vocab - 1, 0)).unsqueeze(-1)
         g.scatter_add_(-1, idx, torch.where(mine.unsqueeze(-1), glp, torch.zeros_like(glp)))
+        if inv_temperature != 1.0:
+            g = g * inv_temperature
         grad[start:stop] = g.to(logits.dtype)
     return grad
 

@@ -44,6 +44,34 @@ def test_cpu_kernels_compile_without_aten(source, tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(NVCC is None, reason="no CUDA toolkit")
+def test_cuda_binding_compiles_against_torch_headers(tmp_path):
+    """csrc/cuda/bindings.cpp (the only CUDA-side file that sees torch) passes a syntax-only compile against this
+    torch's headers and the CUDA toolkit's, so API slips surface here rather than on a GPU machine. A CPU torch
+    lacks one generated c10/cuda header (build-time macros only): a one-line stand-in is written for it."""
+    from torch.utils.cpp_extension import include_paths
+
+    stub = tmp_path / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    if not any((Path(p) / "c10/cuda/impl/cuda_cmake_macros.h").exists() for p in include_paths()):
+        (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    import sysconfig
+
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), Path(NVCC).resolve().parents[1],
+             "/usr/local/cuda"]
+    cuda_include = next((Path(h) / "include" for h in homes if h and (Path(h) / "include/cuda_runtime.h").exists()),
+                        None)
+    if cuda_include is None:
+        pytest.skip("CUDA toolkit headers (cuda_runtime.h) not found")
+    cmd = [shutil.which("g++") or "c++", "-std=c++20", "-fsyntax-only", "-Wall", "-Wno-c++20-extensions",
+           "-DTORCH_EXTENSION_NAME=_kernels_cuda", "-DTORCH_API_INCLUDE_EXTENSION_H",
+           *[f"-I{p}" for p in include_paths()], f"-I{tmp_path}", f"-I{sysconfig.get_paths()['include']}",
+           f"-I{cuda_include}", f"-I{ROOT / 'csrc'}", str(ROOT / "csrc/cuda/bindings.cpp")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+
+
 def test_gencode_flags_target_hopper_with_ptx_fallback():
     flags = csrc_build.cuda_gencode_flags()
     assert "-gencode=arch=compute_90,code=sm_90" in flags

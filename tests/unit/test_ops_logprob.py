@@ -259,3 +259,81 @@ def test_vocab_start_without_group_is_rejected():
     logits, target = random_logits((2,), 10, torch.float32, seed=13)
     with pytest.raises(ValueError, match="vocab_start_index must be 0 without a tp_group"):
         ops.token_logprobs_entropy(logits, target, vocab_start_index=10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("temperature", [0.6, 1.7])
+def test_temperature_is_folded_in(backend, dtype, temperature):
+    logits, target = random_logits((3, 4), 2051, dtype, seed=14)
+    gen = torch.Generator().manual_seed(1)
+    w_lp, w_ent = torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(3, 4, generator=gen,
+                                                                                       dtype=torch.float64)
+    ref = logits.double().requires_grad_()
+    r_lp, r_ent = oracle_autograd(ref / temperature, target)
+    ((r_lp * w_lp).sum() + (r_ent * w_ent).sum()).backward()
+    with use_backend(backend) as device:
+        x = logits.to(device).requires_grad_()
+        lp, ent = ops.token_logprobs_entropy(x, target.to(device), temperature=temperature)
+        ((lp.double() * w_lp.to(device)).sum() + (ent.double() * w_ent.to(device)).sum()).backward()
+    tol = 1e-10 if dtype == torch.float64 else 3e-5
+    torch.testing.assert_close(lp.cpu().double(), r_lp.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(ent.cpu().double(), r_ent.detach(), rtol=tol, atol=tol)
+    gtol = tol if dtype != torch.bfloat16 else 2**-8
+    torch.testing.assert_close(x.grad.cpu().double(), ref.grad, rtol=gtol, atol=gtol * ref.grad.abs().max().item())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_vocab_padding_is_excluded_and_gets_zero_grad(backend, inplace):
+    vocab, padded = 1000, 1024
+    logits, target = random_logits((5,), padded, torch.float32, seed=15)
+    target %= vocab
+    logits[:, vocab:] = 50.0  # garbage in the padding would dominate the softmax if it were counted
+    ref = logits[:, :vocab].double().requires_grad_()
+    r_lp, r_ent = oracle_autograd(ref, target)
+    (r_lp.sum() + 0.5 * r_ent.sum()).backward()
+    with use_backend(backend) as device:
+        leaf = logits.to(device).requires_grad_()
+        x = leaf * 1
+        lp, ent = ops.token_logprobs_entropy(x, target.to(device), vocab_size=vocab, inplace_backward=inplace)
+        (lp.sum() + 0.5 * ent.sum()).backward()
+    torch.testing.assert_close(lp.cpu().double(), r_lp.detach(), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(ent.cpu().double(), r_ent.detach(), rtol=2e-5, atol=2e-5)
+    grad = leaf.grad.cpu()
+    assert torch.all(grad[:, vocab:] == 0)
+    torch.testing.assert_close(grad[:, :vocab].double(), ref.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"target_ids must lie in \[0, 1000\)"):
+        run(backend, logits, torch.full_like(target, vocab + 3), vocab_size=vocab)
+    with pytest.raises(ValueError, match="vocab_size 2000 exceeds"):
+        run(backend, logits, target, vocab_size=2000)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tp_shards_with_padding_and_temperature(backend):
+    """Megatron layout: 2 equal shards of a padded vocabulary, the padding all in the last shard (one shard may
+    hold no real column at all: its statistics are the neutral (-inf, 0, 0, 0))."""
+    vocab, shard, temperature = 700, 512, 0.8
+    logits, target = random_logits((6,), 2 * shard, torch.float32, seed=16)
+    target %= vocab
+    with use_backend(backend) as device:
+        x, t = logits.to(device), target.to(device)
+        parts = []
+        for rank in range(2):
+            n_valid = min(max(vocab - rank * shard, 0), shard)
+            parts.append(ops.partial_stats(x[:, rank * shard:rank * shard + n_valid], t, rank * shard,
+                                           temperature=temperature))
+        empty = ops.partial_stats(x[:, :0], t, 0)
+        gmax = torch.maximum(parts[0][0], parts[1][0])
+        logp, ent, _ = ops.finish_stats(gmax, ops.rebase_stats(parts[0], gmax) + ops.rebase_stats(parts[1], gmax))
+    exp_lp, exp_ent = oracle(logits[:, :vocab] / temperature, target)
+    torch.testing.assert_close(logp.cpu().double(), exp_lp, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(ent.cpu().double(), exp_ent, rtol=2e-5, atol=2e-5)
+    assert torch.all(empty[0].cpu() == float("-inf")) and torch.all(empty[1:].cpu() == 0)
+
+
+def test_bad_temperature():
+    logits, target = random_logits((2,), 10, torch.float32, seed=17)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="temperature must be"):
+            ops.token_logprobs_entropy(logits, target, temperature=bad)

@@ -1,5 +1,5 @@
-// Element types understood by the ATen-free kernels (CPU and CUDA). The torch bindings map torch dtypes onto these
-// codes; the kernels never see a torch type, so they compile with a plain C++ compiler or plain nvcc.
+// Types shared by the ATen-free kernels (CPU and CUDA). The torch bindings map torch tensors onto these; the
+// kernels never see a torch type, so they compile with a plain C++ compiler or plain nvcc.
 #pragma once
 #include <stdint.h>
 
@@ -31,3 +31,16 @@ MPPO_HD uint16_t mppo_float_to_bf16(float f) {
   uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
   return static_cast<uint16_t>((v.u + rounding) >> 16);
 }
+
+// A [n_rows, vocab] block of logits (this rank's vocabulary shard, padding columns already cut off), last dim
+// contiguous, and what the log-prob/entropy kernels need to know about it.
+struct mppo_logits {
+  const void* data;
+  mppo_dtype dtype;        // MPPO_F32, MPPO_F64 or MPPO_BF16
+  int64_t n_rows;
+  int64_t vocab;           // columns that take part (> 0)
+  int64_t row_stride;      // elements between rows (>= vocab)
+  const int64_t* target;   // [n_rows] global vocabulary ids
+  int64_t vocab_start;     // global id of column 0; targets outside [vocab_start, vocab_start + vocab) are not here
+  double inv_temperature;  // the kernels see x * inv_temperature (sampling temperature folded in, no copy)
+};
