@@ -28,7 +28,20 @@ def _set_env(rank: int, world_size: int, port: int) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def _exit_with_children(*_):
+    """Terminate our own children (dist_checkpointing's Manager) and leave without interpreter finalisers."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=5)
+    os._exit(0)
+
+
 def _pool_worker(rank, world_size, port, threads, jobs, results, parent_pid):
+    import signal
+
+    signal.signal(signal.SIGTERM, _exit_with_children)  # pool.close() must not orphan our children
     _set_env(rank, world_size, port)
     torch.set_num_threads(threads)
     import torch.distributed as dist
@@ -57,6 +70,11 @@ def _pool_worker(rank, world_size, port, threads, jobs, results, parent_pid):
         except BaseException:  # report everything, including assertion failures, with the traceback
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
+    # A normal interpreter exit after importing megatron-core takes seconds (module finalisers); nothing is left
+    # to flush but the result queue and our own children.
+    results.close()
+    results.join_thread()
+    _exit_with_children()
 
 
 class LocalWorkerPool:
