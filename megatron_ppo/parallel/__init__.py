@@ -60,7 +60,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)  # resets the tracker in place (keeps the object)
 
 
 def initialize(
