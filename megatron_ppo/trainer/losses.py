@@ -6,7 +6,8 @@ so that summing micro-batches, which the schedule does, gives the mini-batch los
 """
 from __future__ import annotations
 
-from megatron_ppo.algo.losses import compute_policy_loss, compute_value_loss, agg_loss, kl_penalty
+from megatron_ppo.algo.advantages import masked_mean
+from megatron_ppo.algo.losses import agg_loss, compute_policy_loss, compute_value_loss, kl_penalty
 from megatron_ppo.models.logprobs import next_token_targets, vocab_parallel_logprobs_entropy
 from megatron_ppo.trainer.rollout_batch import gather_response
 
@@ -45,7 +46,9 @@ def actor_loss_fn(actor_cfg, *, vocab_size: int, temperature: float, mini_batch_
             rollout_is_weights=micro.get("rollout_is_weights"), **agg)
         entropy_loss = agg_loss(entropy, mask, **agg)
         loss = pg_loss - actor_cfg.entropy_coeff * entropy_loss
-        metrics = {**metrics, "actor/entropy": entropy_loss.detach()}
+        # k1 (actor/ppo_kl, verl's metric) can be negative; the target-KL guard reads this non-negative k3 estimate.
+        ppo_kl_k3 = masked_mean(kl_penalty(log_prob.detach(), micro["old_log_probs"], "low_var_kl"), mask)
+        metrics = {**metrics, "actor/entropy": entropy_loss.detach(), "actor/ppo_kl_k3": ppo_kl_k3}
         if actor_cfg.use_kl_loss:
             kld = kl_penalty(log_prob, micro["ref_log_probs"], actor_cfg.kl_loss_type, response_mask=mask)
             kl_loss = agg_loss(kld, mask, **agg)

@@ -148,7 +148,7 @@ class PPOTrainer:
         guard = self.p.kl_guard
 
         def skip(per_micro):
-            return guard is not None and guard.should_skip(float(np.mean([m["actor/ppo_kl"] for m in per_micro])))
+            return guard is not None and guard.should_skip(float(np.mean([m["actor/ppo_kl_k3"] for m in per_micro])))
 
         self._update(self.p.actor, batch, metrics, "actor", a.ppo_epochs, a.ppo_mini_batch_size,
                      a.ppo_micro_batch_size_per_gpu, keys,
