@@ -8,8 +8,9 @@ round and the median per method is reported.
               against the memory-bandwidth floor (bytes in + out over a measured device copy bandwidth).
   log-prob + entropy [N, V]: naive log_softmax + gather + entropy (float32 [N, V] intermediates), chunked torch
               (the ops reference), verl's chunked functions, the fused kernel (+ in-place backward); time and peak
-              extra memory for forward only (old/ref log-probs) and forward + backward (training). CPU peaks come from a child process whose malloc
-              returns every block > 64 KiB to the OS at once, so the RSS high-water mark is that of live tensors.
+              extra memory for forward only (old/ref log-probs) and forward + backward (training). CPU peaks
+              come from a child process whose malloc returns every block > 64 KiB to the OS at once, so the RSS
+              high-water mark is that of live tensors.
 
 Usage: python tools/bench_kernels.py [--device cpu|cuda|all] [--out docs/bench/kernels.md] [--append]
 """

@@ -7,11 +7,12 @@
 
 namespace mppo_cuda {
 
-template <typename Acc> __device__ __forceinline__ Acc to_acc(float x) { return static_cast<Acc>(x); }
-
-template <typename Acc> __device__ __forceinline__ Acc load(const float* p, int64_t i) { return static_cast<Acc>(p[i]); }
-template <typename Acc> __device__ __forceinline__ Acc load(const double* p, int64_t i) { return static_cast<Acc>(p[i]); }
-template <typename Acc> __device__ __forceinline__ Acc load(const uint16_t* p, int64_t i) {
+template <typename Acc>
+__device__ __forceinline__ Acc load(const float* p, int64_t i) { return static_cast<Acc>(p[i]); }
+template <typename Acc>
+__device__ __forceinline__ Acc load(const double* p, int64_t i) { return static_cast<Acc>(p[i]); }
+template <typename Acc>
+__device__ __forceinline__ Acc load(const uint16_t* p, int64_t i) {
   return static_cast<Acc>(mppo_bf16_to_float(p[i]));
 }
 
@@ -20,7 +21,9 @@ __device__ __forceinline__ void store(float* p, int64_t i, double x) { p[i] = st
 __device__ __forceinline__ void store(double* p, int64_t i, double x) { p[i] = x; }
 __device__ __forceinline__ void store(double* p, int64_t i, float x) { p[i] = x; }
 __device__ __forceinline__ void store(uint16_t* p, int64_t i, float x) { p[i] = mppo_float_to_bf16(x); }
-__device__ __forceinline__ void store(uint16_t* p, int64_t i, double x) { p[i] = mppo_float_to_bf16(static_cast<float>(x)); }
+__device__ __forceinline__ void store(uint16_t* p, int64_t i, double x) {
+  p[i] = mppo_float_to_bf16(static_cast<float>(x));
+}
 
 // exp: the SFU approximation for float (relative error ~2^-21 on the arguments used here, all <= 0),
 // the accurate libdevice exp for double.

@@ -24,7 +24,8 @@ union Pack16 {
 
 template <typename Acc> __device__ __forceinline__ Acc elem(float x) { return static_cast<Acc>(x); }
 template <typename Acc> __device__ __forceinline__ Acc elem(double x) { return static_cast<Acc>(x); }
-template <typename Acc> __device__ __forceinline__ Acc elem(uint16_t x) { return static_cast<Acc>(mppo_bf16_to_float(x)); }
+template <typename Acc>
+__device__ __forceinline__ Acc elem(uint16_t x) { return static_cast<Acc>(mppo_bf16_to_float(x)); }
 
 template <typename Acc>
 struct Triple {
