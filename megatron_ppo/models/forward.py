@@ -41,7 +41,7 @@ def pack_sequences(sequences: list[torch.Tensor], align: int = 1, pad_id: int = 
             pieces.append(seq.new_full((pad,), pad_id))
         bounds.append(bounds[-1] + seq.numel() + pad)
     ids = torch.cat(pieces).unsqueeze(0)
-    return ids, torch.tensor(bounds, dtype=torch.int32)
+    return ids, torch.tensor(bounds, dtype=torch.int32, device=ids.device)
 
 
 def _unwrap(model):

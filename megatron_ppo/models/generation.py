@@ -154,7 +154,9 @@ def _sampler_rank():
     if dist.get_world_size(group) == 1:
         return None, None
     mine = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-    src = torch.tensor([dist.get_rank() if mine else 0], dtype=torch.long)
+    from megatron_ppo.parallel.platform import default_device
+
+    src = torch.tensor([dist.get_rank() if mine else 0], dtype=torch.long, device=default_device())
     dist.all_reduce(src, group=group)
     return group, int(src)
 

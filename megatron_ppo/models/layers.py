@@ -10,6 +10,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
+from megatron_ppo.parallel.platform import default_device
+
 
 def _tag_sequence_parallel(module: torch.nn.Module, sequence_parallel: bool) -> None:
     for param in module.parameters():
@@ -62,8 +64,9 @@ class ValueHead(torch.nn.Module):
     def __init__(self, config, hidden_size: int, bias: bool = False):
         super().__init__()
         self.sequence_parallel = config.sequence_parallel
-        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype)) if bias else None
+        device = default_device()  # (nccl broadcasts need the CUDA device)
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device)) if bias else None
         with torch.no_grad():
             config.init_method(self.weight)
         _tag_sequence_parallel(self, config.sequence_parallel)
