@@ -180,10 +180,12 @@ def peak(r: dict) -> int:
     return max(r["ru_maxrss"], r["ru_maxrss_children"], r.get("sampled_peak", 0))
 
 
-def render(rows: list, command: str) -> str:
+def render(rows: list, command: str, load: tuple[float, float]) -> str:
     out = ["# Conversion benchmark (HF <-> Megatron dist checkpoint)", "",
            f"Command: `{command}`", "",
-           "Machine: 2 CPU cores, 24 GiB RAM, local disk; every run is a fresh process. *Peak RSS* is the largest",
+           f"Machine: 2 CPU cores, 24 GiB RAM, local disk, shared with other jobs (1-minute load average "
+           f"{load[0]:.1f} at the start, {load[1]:.1f} at the end: times are indicative, memory is not affected).",
+           "Every run is a fresh process. *Peak RSS* is the largest",
            "`ru_maxrss` of the converter process and of the writer processes megatron's dist_checkpointing forks",
            "(they share the converter's pages and touch the piece they write). *Before* is the converter's RSS after",
            "the imports (torch, megatron-core, transformers), when conversion starts, so *peak - before* is what the",
@@ -234,6 +236,7 @@ def main(argv=None) -> int:
         child(args)
         return 0
     scratch = tempfile.mkdtemp(prefix="bench_convert-", dir=args.scratch)
+    load_start = os.getloadavg()[0]
     rows = []
     try:
         for name in args.models.split(","):
@@ -253,7 +256,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     command = "python tools/bench_convert.py " + " ".join(a for a in (argv or sys.argv[1:]))
-    text = render(rows, command.strip())
+    text = render(rows, command.strip(), (load_start, os.getloadavg()[0]))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
