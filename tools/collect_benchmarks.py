@@ -1,0 +1,21 @@
+"""Concatenate the per-area benchmark sections (docs/bench/*.md, each written by its tools/bench_*.py with the
+command that produced it) into docs/benchmarks.md."""
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+ORDER = ["kernels", "data", "models", "convert"]  # the rest follow alphabetically
+
+
+def main() -> None:
+    sections = sorted((DOCS / "bench").glob("*.md"), key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else 99, p.stem))
+    header = ("# Benchmarks\n\nMeasured results, one section per area; each names the command that produced it. "
+              "Regenerate a section with its tool, then this page with `python tools/collect_benchmarks.py`.\n"
+              "CPU rows were measured on the 2-core development machine, often shared with other jobs: compare "
+              "ratios measured side by side in one run, not absolute numbers across sections.\n")
+    body = "\n\n".join(p.read_text().strip() for p in sections)
+    (DOCS / "benchmarks.md").write_text(header + "\n" + body + "\n")
+    print(f"docs/benchmarks.md: {len(sections)} sections ({', '.join(p.stem for p in sections)})")
+
+
+if __name__ == "__main__":
+    main()
