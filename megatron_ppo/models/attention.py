@@ -12,6 +12,7 @@ Mask convention: megatron masks are True = masked out; SDPA's boolean masks are 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -114,14 +115,14 @@ class SDPACoreAttention(MegatronModule):
     def _dropout_ctx(self, p):
         if p > 0 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
-        import contextlib
-
         return contextlib.nullcontext()
 
-    def _pick_thd_strategy(self, q):
+    def _pick_thd_strategy(self, q, p):
+        if self.thd_strategy == "varlen" and p > 0:
+            raise ValueError("SDPACoreAttention: the varlen THD kernel has no attention dropout")
         if self.thd_strategy != "auto":
             return self.thd_strategy
-        if _varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if _varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and p == 0:
             return "varlen"
         return "per_sequence"
 
@@ -169,7 +170,7 @@ class SDPACoreAttention(MegatronModule):
         if int(cu_q[-1]) != t:
             raise ValueError(f"SDPACoreAttention: cu_seqlens ends at {int(cu_q[-1])} but the packed input has "
                              f"{t} tokens")
-        strategy = self._pick_thd_strategy(query)
+        strategy = self._pick_thd_strategy(query, p)
         if strategy == "varlen":
             max_s = psp.max_seqlen_q or int((cu_q[1:] - cu_q[:-1]).max())
             out = _varlen_attn(query, key, value, cu_q.to(torch.int32), cu_q.to(torch.int32), max_s, max_s,
