@@ -384,7 +384,8 @@ def header(argv: list[str]) -> list[str]:
     return [
         f"Command: `python tools/bench_kernels.py {' '.join(argv)}`",
         "",
-        f"Machine: {cpu}, {os.cpu_count()} cores; torch {torch.__version__}; "
+        f"Machine: {cpu}, {os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} at the start: the "
+        f"machine may be shared); torch {torch.__version__}; "
         f"{time.strftime('%Y-%m-%d')}. Backends: cpu={ops.backend('cpu')}"
         + (f", cuda={ops.backend('cuda')}" if torch.cuda.is_available() else ""),
         "",

@@ -49,12 +49,14 @@ std::vector<at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
   const auto rt = float_code(r, "token_level_rewards");
   const auto vt = float_code(v, "values");
   const auto ot = float_code(adv, "output dtype");
+  auto nonfinite = at::zeros({2}, rewards.options().dtype(at::kLong));
   {
     pybind11::gil_scoped_release no_gil;
     mppo_cpu::gae(r.data_ptr(), rt, v.data_ptr(), vt, reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()),
-                  adv.data_ptr(), ret.data_ptr(), ot, r.size(0), r.size(1), gamma, lam);
+                  adv.data_ptr(), ret.data_ptr(), ot, r.size(0), r.size(1), gamma, lam,
+                  nonfinite.data_ptr<int64_t>());
   }
-  return {adv, ret};
+  return {adv, ret, nonfinite};
 }
 
 mppo_logits describe(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
@@ -110,7 +112,8 @@ at::Tensor lse_backward(const at::Tensor& logits, const at::Tensor& target, int6
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron_ppo CPU kernels: GAE and fused log-prob/entropy (OpenMP)";
-  m.def("gae", &gae, "GAE advantages and returns (un-whitened, zero at masked positions)");
+  m.def("gae", &gae,
+        "(advantages, returns, [NaN/inf rewards, NaN/inf values] at valid positions); un-whitened, 0 where masked");
   m.def("lse_partials", &lse_partials, "per-row [4, N] (max, sum-exp, sum exp*shifted logit, target logit)",
         pybind11::arg("logits"), pybind11::arg("target"), pybind11::arg("vocab_start"),
         pybind11::arg("inv_temperature"));

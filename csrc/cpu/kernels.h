@@ -9,10 +9,12 @@ namespace mppo_cpu {
 
 // GAE over [B, T] (verl's reverse recursion, masked steps skipped, outputs zero at masked positions).
 // rewards/values: F32, F64 or BF16; mask: BOOL; out (advantages, returns): F32, F64 or BF16.
-// Accumulates in double: the recursion is latency-bound on one row per thread, so double costs nothing here.
+// Accumulates in double: the loop is bound by memory traffic (~17 bytes a step), so double costs nothing here.
+// nonfinite[0], nonfinite[1] receive the number of NaN/inf rewards and values at valid positions (the input
+// check, fused into the one pass the kernel makes anyway).
 void gae(const void* rewards, mppo_dtype rewards_dtype, const void* values, mppo_dtype values_dtype,
          const uint8_t* mask, void* advantages, void* returns, mppo_dtype out_dtype, int64_t batch,
-         int64_t length, double gamma, double lam);
+         int64_t length, double gamma, double lam, int64_t* nonfinite);
 
 // Per-row partial statistics of the logits block (x below is logits * inv_temperature), local to this vocabulary
 // shard, written as out[4, N] (F64 for F64 logits, else F32):

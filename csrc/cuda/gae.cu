@@ -37,19 +37,27 @@ __device__ __forceinline__ Affine<Acc> shfl_down(const Affine<Acc>& x, int offse
           __shfl_down_sync(0xffffffffu, x.b2, offset)};
 }
 
+__device__ __forceinline__ void add_nonfinite(int64_t* nonfinite, unsigned int bad_rewards, unsigned int bad_values) {
+  if (bad_rewards) atomicAdd(reinterpret_cast<unsigned long long*>(nonfinite), bad_rewards);
+  if (bad_values) atomicAdd(reinterpret_cast<unsigned long long*>(nonfinite + 1), bad_values);
+}
+
 template <typename Acc, typename R, typename V, typename O>
 __global__ void gae_serial_kernel(const R* __restrict__ rewards, const V* __restrict__ values,
                                   const uint8_t* __restrict__ mask, O* __restrict__ adv, O* __restrict__ ret,
-                                  int64_t batch, int64_t length, Acc gamma, Acc gamma_lam) {
+                                  int64_t batch, int64_t length, Acc gamma, Acc gamma_lam, int64_t* nonfinite) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= batch) return;
   const int64_t row = b * length;
   Acc next_value = 0, last_gae = 0;
+  unsigned int bad_rewards = 0, bad_values = 0;
   for (int64_t t = length - 1; t >= 0; --t) {
     const int64_t i = row + t;
     if (mask[i]) {
-      const Acc v = load<Acc>(values, i);
-      last_gae = load<Acc>(rewards, i) + gamma * next_value - v + gamma_lam * last_gae;
+      const Acc r = load<Acc>(rewards, i), v = load<Acc>(values, i);
+      bad_rewards += !isfinite(r);
+      bad_values += !isfinite(v);
+      last_gae = r + gamma * next_value - v + gamma_lam * last_gae;
       next_value = v;
       store(adv, i, last_gae);
       store(ret, i, last_gae + v);
@@ -58,6 +66,7 @@ __global__ void gae_serial_kernel(const R* __restrict__ rewards, const V* __rest
       store(ret, i, Acc(0));
     }
   }
+  add_nonfinite(nonfinite, bad_rewards, bad_values);
 }
 
 template <typename Acc, int THREADS, int ITEMS, typename R, typename V, typename O>
@@ -65,7 +74,7 @@ __global__ void __launch_bounds__(THREADS) gae_scan_kernel(const R* __restrict__
                                                            const V* __restrict__ values,
                                                            const uint8_t* __restrict__ mask, O* __restrict__ adv,
                                                            O* __restrict__ ret, int64_t length, Acc gamma,
-                                                           Acc gamma_lam) {
+                                                           Acc gamma_lam, int64_t* nonfinite) {
   constexpr int TILE = THREADS * ITEMS;
   constexpr int WARPS = THREADS / 32;
   __shared__ Acc s_r[TILE];  // rewards in, advantages out
@@ -78,6 +87,7 @@ __global__ void __launch_bounds__(THREADS) gae_scan_kernel(const R* __restrict__
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * length;
   if (tid == 0) s_carry[0] = s_carry[1] = Acc(0);
+  unsigned int bad_rewards = 0, bad_values = 0;
 
   for (int64_t tile_end = length; tile_end > 0; tile_end -= TILE) {
     const int64_t tile_start = tile_end > TILE ? tile_end - TILE : 0;
@@ -88,6 +98,8 @@ __global__ void __launch_bounds__(THREADS) gae_scan_kernel(const R* __restrict__
       s_m[i] = inside ? mask[g] : 0;
       s_r[i] = inside ? load<Acc>(rewards, g) : Acc(0);
       s_v[i] = inside ? load<Acc>(values, g) : Acc(0);
+      bad_rewards += s_m[i] && !isfinite(s_r[i]);
+      bad_values += s_m[i] && !isfinite(s_v[i]);
     }
     __syncthreads();
 
@@ -149,48 +161,53 @@ __global__ void __launch_bounds__(THREADS) gae_scan_kernel(const R* __restrict__
     }
     __syncthreads();  // smem is reused by the next tile
   }
+  add_nonfinite(nonfinite, bad_rewards, bad_values);
 }
 
 constexpr int kScanThreads = 256;
 constexpr int kScanItems = 4;
 constexpr int kSerialThreads = 128;
 
+// Launch-wide arguments that every dtype combination passes through unchanged.
+struct GaeArgs {
+  const uint8_t* mask;
+  int64_t batch, length;
+  double gamma, lam;
+  mppo_gae_algo algo;
+  int64_t* nonfinite;
+  cudaStream_t stream;
+};
+
 template <typename Acc, typename R, typename V, typename O>
-cudaError_t launch(const R* r, const V* v, const uint8_t* m, O* adv, O* ret, int64_t batch, int64_t length,
-                   double gamma, double lam, mppo_gae_algo algo, cudaStream_t stream) {
-  const Acc g = static_cast<Acc>(gamma), gl = static_cast<Acc>(gamma * lam);
-  if (algo == MPPO_GAE_SERIAL) {
-    gae_serial_kernel<Acc><<<ceil_div(batch, kSerialThreads), kSerialThreads, 0, stream>>>(r, v, m, adv, ret, batch,
-                                                                                           length, g, gl);
+cudaError_t launch(const R* r, const V* v, O* adv, O* ret, const GaeArgs& a) {
+  const Acc g = static_cast<Acc>(a.gamma), gl = static_cast<Acc>(a.gamma * a.lam);
+  if (a.algo == MPPO_GAE_SERIAL) {
+    gae_serial_kernel<Acc><<<ceil_div(a.batch, kSerialThreads), kSerialThreads, 0, a.stream>>>(
+        r, v, a.mask, adv, ret, a.batch, a.length, g, gl, a.nonfinite);
   } else {
-    gae_scan_kernel<Acc, kScanThreads, kScanItems><<<static_cast<unsigned int>(batch), kScanThreads, 0, stream>>>(
-        r, v, m, adv, ret, length, g, gl);
+    gae_scan_kernel<Acc, kScanThreads, kScanItems><<<static_cast<unsigned int>(a.batch), kScanThreads, 0, a.stream>>>(
+        r, v, a.mask, adv, ret, a.length, g, gl, a.nonfinite);
   }
   return cudaGetLastError();
 }
 
 template <typename R, typename V>
-cudaError_t dispatch_out(const R* r, const V* v, const uint8_t* m, void* adv, void* ret, mppo_dtype out, int64_t b,
-                         int64_t t, double g, double l, mppo_gae_algo algo, cudaStream_t s) {
+cudaError_t dispatch_out(const R* r, const V* v, void* adv, void* ret, mppo_dtype out, const GaeArgs& a) {
   switch (out) {
-    case MPPO_F32:
-      return launch<float>(r, v, m, static_cast<float*>(adv), static_cast<float*>(ret), b, t, g, l, algo, s);
-    case MPPO_F64:
-      return launch<double>(r, v, m, static_cast<double*>(adv), static_cast<double*>(ret), b, t, g, l, algo, s);
-    case MPPO_BF16:
-      return launch<float>(r, v, m, static_cast<uint16_t*>(adv), static_cast<uint16_t*>(ret), b, t, g, l, algo, s);
+    case MPPO_F32: return launch<float>(r, v, static_cast<float*>(adv), static_cast<float*>(ret), a);
+    case MPPO_F64: return launch<double>(r, v, static_cast<double*>(adv), static_cast<double*>(ret), a);
+    case MPPO_BF16: return launch<float>(r, v, static_cast<uint16_t*>(adv), static_cast<uint16_t*>(ret), a);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename R>
-cudaError_t dispatch_values(const R* r, const void* v, mppo_dtype vt, const uint8_t* m, void* adv, void* ret,
-                            mppo_dtype out, int64_t b, int64_t t, double g, double l, mppo_gae_algo algo,
-                            cudaStream_t s) {
+cudaError_t dispatch_values(const R* r, const void* v, mppo_dtype vt, void* adv, void* ret, mppo_dtype out,
+                            const GaeArgs& a) {
   switch (vt) {
-    case MPPO_F32: return dispatch_out(r, static_cast<const float*>(v), m, adv, ret, out, b, t, g, l, algo, s);
-    case MPPO_F64: return dispatch_out(r, static_cast<const double*>(v), m, adv, ret, out, b, t, g, l, algo, s);
-    case MPPO_BF16: return dispatch_out(r, static_cast<const uint16_t*>(v), m, adv, ret, out, b, t, g, l, algo, s);
+    case MPPO_F32: return dispatch_out(r, static_cast<const float*>(v), adv, ret, out, a);
+    case MPPO_F64: return dispatch_out(r, static_cast<const double*>(v), adv, ret, out, a);
+    case MPPO_BF16: return dispatch_out(r, static_cast<const uint16_t*>(v), adv, ret, out, a);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -201,20 +218,16 @@ cudaError_t dispatch_values(const R* r, const void* v, mppo_dtype vt, const uint
 extern "C" cudaError_t mppo_cuda_gae(const void* rewards, mppo_dtype rt, const void* values, mppo_dtype vt,
                                      const uint8_t* mask, void* adv, void* ret, mppo_dtype out, int64_t batch,
                                      int64_t length, double gamma, double lam, mppo_gae_algo algo,
-                                     cudaStream_t stream) {
+                                     int64_t* nonfinite, cudaStream_t stream) {
   using namespace mppo_cuda;
   if (batch == 0 || length == 0) return cudaSuccess;
-  if (algo == MPPO_GAE_AUTO) algo = MPPO_GAE_SCAN;  // measured choice: docs/kernels.md
+  if (batch > 0x7fffffff) return cudaErrorInvalidValue;
+  if (algo == MPPO_GAE_AUTO) algo = MPPO_GAE_SCAN;  // the choice and its measurement: docs/kernels.md
+  const GaeArgs a{mask, batch, length, gamma, lam, algo, nonfinite, stream};
   switch (rt) {
-    case MPPO_F32:
-      return dispatch_values(static_cast<const float*>(rewards), values, vt, mask, adv, ret, out, batch, length,
-                             gamma, lam, algo, stream);
-    case MPPO_F64:
-      return dispatch_values(static_cast<const double*>(rewards), values, vt, mask, adv, ret, out, batch, length,
-                             gamma, lam, algo, stream);
-    case MPPO_BF16:
-      return dispatch_values(static_cast<const uint16_t*>(rewards), values, vt, mask, adv, ret, out, batch, length,
-                             gamma, lam, algo, stream);
+    case MPPO_F32: return dispatch_values(static_cast<const float*>(rewards), values, vt, adv, ret, out, a);
+    case MPPO_F64: return dispatch_values(static_cast<const double*>(rewards), values, vt, adv, ret, out, a);
+    case MPPO_BF16: return dispatch_values(static_cast<const uint16_t*>(rewards), values, vt, adv, ret, out, a);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -208,3 +208,16 @@ def test_gae_kernel_property(backend, batch, length, seed, gamma, lam, p_valid):
     exp_adv, exp_ret = gae_loop_f64(rewards, values, mask, gamma, lam)
     torch.testing.assert_close(adv.double(), exp_adv, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ret.double(), exp_ret, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gae_nonfinite_at_valid_positions_same_error_as_algo(backend):
+    rewards, values, mask = random_inputs(4, 30, seed=21, mask_kind="holes")
+    rewards[mask.nonzero()[:3].unbind(1)] = float("inf")
+    rewards[~mask] = float("nan")  # ignored: masked
+    with pytest.raises(ValueError) as algo_error:
+        algo_gae(rewards, values, mask, 0.9, 0.9)
+    with pytest.raises(ValueError) as ops_error:
+        run_gae(backend, rewards, values, mask, 0.9, 0.9)
+    assert str(ops_error.value) == str(algo_error.value) == (
+        "token_level_rewards has 3 NaN/inf values at valid (mask=1) positions")
