@@ -63,10 +63,16 @@ def prepare_data(cfg) -> str | None:
 
 
 def model_arch(cfg, role: str, vocab_size: int) -> ModelArch:
+    """The role's architecture: from its HF config.json (model.path) or inline (model.arch, random init)."""
     model = cfg.model_for(role)
-    if model.arch is None:
-        raise ValueError(f"{role}.model: the in-process driver builds models from an inline `arch` (random init); "
-                         f"HF weights ({model.path}) are converted with `megatron-ppo convert hf-to-mcore`")
+    if model.path is not None:
+        from megatron_ppo.models.hf_mapping import arch_from_hf_config
+
+        arch = arch_from_hf_config(model.path)
+        if arch.vocab_size < vocab_size:
+            raise ValueError(f"{role}.model.path={model.path}: vocab_size {arch.vocab_size} is smaller than the "
+                             f"tokenizer's {vocab_size} tokens")
+        return arch
     fields = dataclasses.asdict(model.arch)
     fields["vocab_size"] = fields["vocab_size"] or vocab_size
     return ModelArch(**fields)
@@ -84,6 +90,19 @@ def total_training_steps(cfg, num_prompts: int) -> int:
     return cfg.trainer.total_training_steps or max(num_prompts // cfg.data.train_batch_size, 1) * cfg.trainer.total_epochs
 
 
+def build_worker(cfg, role: str, worker_role: str, vocab_size: int, *, optim=None, total_steps: int = 1):
+    """A worker for ``role``, with HF weights loaded when the role's model has a path."""
+    model_cfg = cfg.model_for(role)
+    worker = MegatronWorker(worker_role, model_arch(cfg, role, vocab_size), optim=optim, total_steps=total_steps,
+                            params_dtype=params_dtype(cfg, role))
+    if model_cfg.path is not None:
+        from megatron_ppo.trainer.hf_import import load_hf_weights
+
+        cache = Path(cfg.trainer.expand(cfg.trainer.default_local_dir)) / "hf_import"
+        load_hf_weights(worker.model, worker_role, model_cfg.path, str(cache))
+    return worker
+
+
 def build_components(cfg) -> Components:
     built_tokenizer = prepare_data(cfg)
     tokenizer = load_tokenizer(cfg.actor.model.tokenizer_path or built_tokenizer or cfg.actor.model.path)
@@ -94,17 +113,17 @@ def build_components(cfg) -> Components:
                         cfg.data.val_max_samples) if cfg.data.val_files else None
     total_steps = total_training_steps(cfg, len(train))
     sampler = StatefulSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    arch = model_arch(cfg, "actor", len(tokenizer))
-    actor = MegatronWorker("actor", arch, optim=cfg.actor.optim, total_steps=total_steps,
-                           params_dtype=params_dtype(cfg, "actor"))
+    vocab = len(tokenizer)
+    actor = build_worker(cfg, "actor", "actor", vocab, optim=cfg.actor.optim, total_steps=total_steps)
     ref = None
-    if cfg.use_reference:
-        ref = MegatronWorker("reference", model_arch(cfg, "ref", len(tokenizer)), params_dtype=params_dtype(cfg, "ref"))
-        ref.copy_weights_from(actor)  # the reference is the actor's initial policy
+    if cfg.use_reference and (cfg.ref.model.path or cfg.ref.model.arch):
+        ref = build_worker(cfg, "ref", "reference", vocab)
+    elif cfg.use_reference:
+        ref = MegatronWorker("reference", model_arch(cfg, "ref", vocab), params_dtype=params_dtype(cfg, "ref"))
+        ref.copy_weights_from(actor)  # the reference is the actor's initial policy (random or from HF)
     critic = None
     if cfg.use_critic:
-        critic = MegatronWorker("critic", model_arch(cfg, "critic", len(tokenizer)), optim=cfg.critic.optim,
-                                total_steps=total_steps, params_dtype=params_dtype(cfg, "critic"))
+        critic = build_worker(cfg, "critic", "critic", vocab, optim=cfg.critic.optim, total_steps=total_steps)
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = None
     if cfg.algorithm.use_kl_in_reward:

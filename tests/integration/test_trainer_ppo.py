@@ -137,3 +137,44 @@ def test_ppo_learns_a_learnable_reward(data_dir, tmp_path):
     assert len(scores) == STEPS
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
     assert last > first + 0.1, scores
+
+
+@pytest.mark.slow
+def test_actor_and_critic_start_from_an_hf_checkpoint(data_dir, tmp_path):
+    """actor.model.path = an HF Llama dir: the actor's logits equal HF's, the critic gets the same backbone with a
+    fresh value head, the reference equals the actor, and a PPO step runs."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_ppo import parallel
+    from megatron_ppo.models.convert_verify import megatron_logits
+    from megatron_ppo.parallel.platform import disable_cpu_platform
+    from megatron_ppo.trainer.components import build_components
+    from megatron_ppo.trainer.ppo import PPOTrainer
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      tie_word_embeddings=False, rms_norm_eps=1e-6)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    overrides = _overrides(data_dir, tmp_path, **{"actor.model.path": str(tmp_path / "hf"), "actor.model.arch": "null",
+                                                  "trainer.default_local_dir": str(tmp_path / "ckpt")})
+    cfg = load_config("tiny_cpu", overrides)
+    tokens = torch.randint(0, 2048, (2, 12))
+    with torch.no_grad():
+        expected = hf(tokens).logits.float()
+    parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
+    try:
+        parts = build_components(cfg)
+        got = megatron_logits(parts.actor.model, tokens, 2048)
+        assert (got - expected).abs().max().item() <= 1e-4
+        actor, critic = dict(parts.actor.model.named_parameters()), dict(parts.critic.model.named_parameters())
+        backbone = [k for k in actor if k.startswith("decoder.")]
+        assert backbone and all(torch.equal(actor[k], critic[k]) for k in backbone)
+        assert tuple(critic["output_layer.weight"].shape)[0] == 1  # the value head, not the LM head
+        history = PPOTrainer(cfg, parts).fit(1)
+        parts.tracker.close()
+    finally:
+        parallel.destroy()
+        disable_cpu_platform()
+    assert history[0]["rollout/logprob_abs_diff_max"] < 1e-4
+    assert list((tmp_path / "ckpt" / "hf_import").iterdir())  # the conversion is cached for the next run

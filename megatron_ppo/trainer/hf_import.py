@@ -1,0 +1,55 @@
+"""Start a role from an HF Llama/Qwen2 checkpoint: convert once (cached, verified by the converter's ledger), then
+load the Megatron dist checkpoint into the freshly built model.
+
+Critic and reward models take the HF backbone; their value head has no HF counterpart and keeps its initialisation
+(the LM head, or the tied embedding, is deliberately left out — logged, not silently).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def converted_checkpoint(hf_dir: str, cache_root: str) -> Path:
+    """The Megatron dist checkpoint of ``hf_dir`` under ``cache_root``, converting on a cache miss.
+
+    The cache key is the HF directory's path plus the names, sizes and mtimes of its files, so replacing weights
+    in place converts again."""
+    from megatron_ppo.models.convert import hf_to_mcore
+
+    src = Path(hf_dir).resolve()
+    if not src.is_dir():
+        raise FileNotFoundError(f"model.path: {hf_dir} is not a directory")
+    stamp = "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(src.iterdir()) if p.is_file())
+    key = hashlib.sha256(f"{src}|{stamp}".encode()).hexdigest()[:16]
+    out = Path(cache_root) / f"{src.name}-{key}"
+    if not out.is_dir():  # the converter writes atomically: a directory there is a complete conversion
+        out.parent.mkdir(parents=True, exist_ok=True)
+        hf_to_mcore(str(src), str(out), tp=1, pp=1, quiet=True)
+        log.info("converted %s -> %s", src, out)
+    return out
+
+
+def load_hf_weights(model, role: str, hf_dir: str, cache_root: str) -> None:
+    """Load HF weights into a built GPTModel stage of ``role`` (actor/reference: all; critic/reward: backbone)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from megatron_ppo.models.gpt import VALUE_ROLES
+
+    ckpt = converted_checkpoint(hf_dir, cache_root)
+    sharded = model.sharded_state_dict()
+    head = [k for k in sharded if k.startswith("output_layer.")] if role in VALUE_ROLES else []
+    for key in head:
+        del sharded[key]
+    state = dist_checkpointing.load(sharded, str(ckpt), strict=StrictHandling.ASSUME_OK_UNEXPECTED if head
+                                    else StrictHandling.RAISE_ALL)
+    result = model.load_state_dict(state, strict=not head)
+    if head:
+        missing = [k for k in result.missing_keys if not k.startswith("output_layer.")]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"{role} from {hf_dir}: missing {missing}, unexpected {result.unexpected_keys}")
+        log.info("%s from %s: backbone loaded; value head %s keeps its initialisation", role, hf_dir, head)
