@@ -19,19 +19,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def unsupported_settings(cfg) -> list[str]:
+    """Settings the in-process driver would otherwise ignore silently: each is refused, by name."""
+    checks = {
+        "cluster (multi-rank)": cfg.cluster.world_size != 1 or any(
+            p.tensor_model_parallel_size * p.pipeline_model_parallel_size != 1
+            for p in (cfg.cluster.actor, cfg.cluster.critic, cfg.cluster.ref, cfg.cluster.reward)),
+        "rollout.mode=offline": cfg.rollout.mode != "online",
+        "actor.use_dynamic_bsz": cfg.actor.use_dynamic_bsz,
+        "critic.use_dynamic_bsz": cfg.critic.use_dynamic_bsz,
+        "ref.log_prob_use_dynamic_bsz": cfg.ref.log_prob_use_dynamic_bsz,
+        "rollout.log_prob_use_dynamic_bsz": cfg.rollout.log_prob_use_dynamic_bsz,
+        "reward.reward_model.enable": cfg.reward.reward_model.enable,
+        "trainer.save_freq > 0 (checkpointing)": cfg.trainer.save_freq > 0,
+        "trainer.resume_mode=resume_path": cfg.trainer.resume_mode == "resume_path",
+    }
+    return [name for name, asked in checks.items() if asked]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides)
-    ranks = {role: p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-             for role, p in vars(cfg.cluster).items() if hasattr(p, "tensor_model_parallel_size")}
-    if cfg.cluster.world_size != 1 or any(n != 1 for n in ranks.values()):
-        raise SystemExit(f"megatron-ppo train: the in-process driver runs on one rank; this config asks for "
-                         f"cluster.nnodes x n_gpus_per_node = {cfg.cluster.world_size} and model-parallel sizes "
-                         f"{ranks}. Multi-rank training needs the Ray driver (not built yet).")
-    if cfg.rollout.mode != "online":
-        raise SystemExit("megatron-ppo train: rollout.mode=offline needs the Ray driver (not built yet); the "
-                         "trajectory dataset and rollout correction it uses are in megatron_ppo.data / algo")
+    refused = unsupported_settings(cfg)
+    if refused:
+        raise SystemExit(f"megatron-ppo train: the in-process driver (one rank) does not support {refused} yet; "
+                         "they come with the Ray driver (multi-rank, offline, resume). Nothing was run.")
+    logging.getLogger(__name__).warning("checkpointing is not in the in-process driver yet: this run saves none")
 
     from megatron_ppo import parallel
     from megatron_ppo.trainer.components import build_components

@@ -3,6 +3,7 @@ built BPE tokenizer: what each phase produces, the target-KL guard, trajectory d
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -112,11 +113,17 @@ def test_target_kl_guard_skips_the_update_after_a_large_step(data_dir, tmp_path)
     assert metrics["actor/ppo_kl_k3"] > 0
 
 
-def test_train_refuses_a_multi_rank_config_instead_of_running_on_one():
+@pytest.mark.parametrize("override, name", [
+    ("cluster.n_gpus_per_node=2", "cluster (multi-rank)"),
+    ("rollout.mode=offline rollout.trajectory_files=[t.parquet]", "rollout.mode=offline"),
+    ("actor.use_dynamic_bsz=true", "actor.use_dynamic_bsz"),
+    ("trainer.save_freq=5", "trainer.save_freq > 0 (checkpointing)"),
+])
+def test_train_refuses_what_it_would_otherwise_ignore(override, name):
     from megatron_ppo.trainer.entry import main
 
-    with pytest.raises(SystemExit, match="Ray driver"):
-        main(["cluster.n_gpus_per_node=2"])
+    with pytest.raises(SystemExit, match=re.escape(repr(name))):
+        main(override.split())
 
 
 @pytest.mark.slow
