@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): setup.py constraints-cpu.txt $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h csrc_build.py)
+$(STAMP): setup.py constraints-cpu.txt csrc_build.py $(wildcard csrc/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/*/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) -q --upgrade pip setuptools wheel
 	$(PIP) -q torch==2.13.0
