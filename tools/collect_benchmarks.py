@@ -12,7 +12,8 @@ def main() -> None:
               "Regenerate a section with its tool, then this page with `python tools/collect_benchmarks.py`.\n"
               "CPU rows were measured on the 2-core development machine, often shared with other jobs: compare "
               "ratios measured side by side in one run, not absolute numbers across sections.\n")
-    body = "\n\n".join(p.read_text().strip() for p in sections)
+    # links in docs/bench/*.md are relative to docs/bench/; this page sits one level up
+    body = "\n\n".join(p.read_text().strip().replace("](../", "](") for p in sections)
     (DOCS / "benchmarks.md").write_text(header + "\n" + body + "\n")
     print(f"docs/benchmarks.md: {len(sections)} sections ({', '.join(p.stem for p in sections)})")
 
