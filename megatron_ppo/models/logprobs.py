@@ -9,9 +9,9 @@ working set stays chunk_size x V/TP. Vocab entries at or beyond ``vocab_size`` (
 
 Per chunk, the statistics and the backward come from ``megatron_ppo.ops``' TP pieces (``partial_stats``,
 ``rebase_stats``, ``finish_stats``, ``logprobs_entropy_backward``: the fused kernels where built, else their torch
-reference) when ops imports; this module adds the TP all-reduces, vocab-padding removal (the padded columns are
-cut off the shard, their gradient is 0), temperature and chunking. ``impl='torch'`` keeps an independent
-all-torch path (the fallback, and a cross-check in tests).
+reference) when ops imports, which apply the temperature themselves; this module adds the TP all-reduces,
+vocab-padding removal (the padded columns are cut off the shard, their gradient is 0) and chunking.
+``impl='torch'`` keeps an independent all-torch path (the fallback, and a cross-check in tests).
 """
 from __future__ import annotations
 
@@ -69,12 +69,6 @@ def _ops_module():
     return ops if all(hasattr(ops, n) for n in needed) else None
 
 
-def _chunk_view(logits, s, e, n_valid, temperature):
-    """Rows s:e of this shard, padded vocab columns cut off, divided by the temperature (in fp32: bf16 would round)."""
-    x = logits[s:e, :n_valid]
-    return x.to(_compute_dtype(logits)) / temperature if temperature != 1.0 else x
-
-
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     """Chunked over tokens; per chunk either the torch path below or the ``megatron_ppo.ops`` TP pieces."""
 
@@ -91,8 +85,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             e = min(n, s + chunk)
             t = targets[s:e]
             if ops is not None:
-                x = _chunk_view(logits, s, e, n_valid, temperature)
-                part = ops.partial_stats(x, t, vocab_start)
+                part = ops.partial_stats(logits[s:e, :n_valid], t, vocab_start, temperature=temperature)
                 gmax = part[0].clone()
                 if world > 1:
                     dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
@@ -131,12 +124,11 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             e = min(n, s + chunk)
             t = targets[s:e]
             if ops is not None:
-                if n_valid:
-                    x = _chunk_view(logits, s, e, n_valid, temperature)
+                if n_valid:  # the ops apply the temperature themselves (in fp32, no scaled copy of the chunk)
                     log_z, h = stats[1, s:e], stats[2, s:e]
-                    g = ops.logprobs_entropy_backward(x, t, vocab_start, log_z, h,
-                                                      g_logp[s:e].contiguous(), g_ent[s:e].contiguous())
-                    grad[s:e, :n_valid] = (g / temperature).to(grad.dtype) if temperature != 1.0 else g
+                    ops.logprobs_entropy_backward(logits[s:e, :n_valid], t, vocab_start, log_z, h,
+                                                  g_logp[s:e].contiguous(), g_ent[s:e].contiguous(),
+                                                  temperature=temperature, out=grad[s:e, :n_valid])
                 continue
             x = logits[s:e].to(cdt) / temperature
             _, log_z, sum_px = stats[:, s:e]
