@@ -21,6 +21,7 @@ Global (TP-independent) layouts, as megatron-core 0.16.1 reads them:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -242,10 +243,7 @@ class TensorMap:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
