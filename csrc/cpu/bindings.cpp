@@ -3,32 +3,15 @@
 // lives in megatron_ppo/ops; these checks guard the pointers.
 #include <torch/extension.h>
 
+#include "../common/torch_bindings.h"
 #include "kernels.h"
 
 namespace {
 
-mppo_dtype float_code(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return MPPO_F32;
-    case at::kDouble: return MPPO_F64;
-    case at::kBFloat16: return MPPO_BF16;
-    default: TORCH_CHECK(false, name, " must be float32, float64 or bfloat16, got ", t.scalar_type());
-  }
-  return MPPO_F32;
-}
+using mppo_bind::float_code;
 
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-}
-
-void check_rows(const at::Tensor& logits, const at::Tensor& target) {
-  check_cpu(logits, "logits");
-  check_cpu(target, "target_ids");
-  TORCH_CHECK(logits.dim() == 2, "logits must be [N, V_local], got ", logits.sizes());
-  TORCH_CHECK(logits.size(1) == 0 || logits.stride(1) == 1, "logits must be contiguous in the vocabulary dim");
-  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), "target_ids must be [N] with N = ",
-              logits.size(0), ", got ", target.sizes());
-  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous(), "target_ids must be contiguous int64");
 }
 
 std::vector<at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& mask,
@@ -36,10 +19,7 @@ std::vector<at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
   check_cpu(rewards, "token_level_rewards");
   check_cpu(values, "values");
   check_cpu(mask, "response_mask");
-  TORCH_CHECK(rewards.dim() == 2, "token_level_rewards must be [B, T], got ", rewards.sizes());
-  TORCH_CHECK(values.sizes() == rewards.sizes() && mask.sizes() == rewards.sizes(),
-              "values and response_mask must have token_level_rewards' shape ", rewards.sizes());
-  TORCH_CHECK(mask.scalar_type() == at::kBool, "response_mask must be bool here");
+  mppo_bind::check_gae_shapes(rewards, values, mask);
   auto r = rewards.contiguous();
   auto v = values.contiguous();
   auto m = mask.contiguous();
@@ -61,17 +41,15 @@ std::vector<at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
 
 mppo_logits describe(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                      double inv_temperature) {
-  check_rows(logits, target);
-  TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty vocabulary dim");
-  TORCH_CHECK(inv_temperature > 0, "inv_temperature must be > 0");
-  return {logits.data_ptr(), float_code(logits, "logits"), logits.size(0), logits.size(1), logits.stride(0),
-          target.data_ptr<int64_t>(), vocab_start, inv_temperature};
+  check_cpu(logits, "logits");
+  check_cpu(target, "target_ids");
+  return mppo_bind::describe(logits, target, vocab_start, inv_temperature);
 }
 
 at::Tensor lse_partials(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                         double inv_temperature) {
   const mppo_logits in = describe(logits, target, vocab_start, inv_temperature);
-  auto out = at::empty({4, logits.size(0)}, logits.options().dtype(in.dtype == MPPO_F64 ? at::kDouble : at::kFloat));
+  auto out = at::empty({4, logits.size(0)}, logits.options().dtype(mppo_bind::stats_dtype(in.dtype)));
   {
     pybind11::gil_scoped_release no_gil;
     mppo_cpu::lse_partials(in, out.data_ptr());
@@ -84,22 +62,9 @@ at::Tensor lse_backward(const at::Tensor& logits, const at::Tensor& target, int6
                         const at::Tensor& grad_logp, const at::Tensor& grad_entropy,
                         const c10::optional<at::Tensor>& out) {
   const mppo_logits in = describe(logits, target, vocab_start, inv_temperature);
-  const auto stats_dtype = in.dtype == MPPO_F64 ? at::kDouble : at::kFloat;
-  std::vector<at::Tensor> rows;
-  for (const auto* t : {&log_z, &entropy, &grad_logp, &grad_entropy}) {
-    check_cpu(*t, "row statistics");
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == logits.size(0), "row statistics must be [N]");
-    rows.push_back(t->to(stats_dtype).contiguous());
-  }
-  at::Tensor grad;
-  if (out.has_value()) {  // e.g. (a view of) the logits themselves: in-place backward
-    grad = *out;
-    TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
-                    grad.device() == logits.device() && grad.stride(1) == 1,
-                "out must have the logits' shape, dtype and device, contiguous in the vocabulary dim");
-  } else {
-    grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
-  }
+  for (const auto* t : {&log_z, &entropy, &grad_logp, &grad_entropy}) check_cpu(*t, "row statistics");
+  const auto rows = mppo_bind::row_statistics(in, {&log_z, &entropy, &grad_logp, &grad_entropy});
+  at::Tensor grad = mppo_bind::grad_buffer(logits, out);
   {
     pybind11::gil_scoped_release no_gil;
     mppo_cpu::lse_backward(in, rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(), rows[3].data_ptr(),
