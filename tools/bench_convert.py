@@ -132,10 +132,6 @@ def run_child(mode: str, src: str, dst: str, tp: int = 1, shard: str = "2GB") ->
 # ------------------------------------------------------------------------------------------------------------------
 # Parent side
 # ------------------------------------------------------------------------------------------------------------------
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
-
-
 def model_facts(hf_dir: str) -> dict:
     from megatron_ppo.models.convert_hf_io import HFCheckpoint
     from megatron_ppo.models.hf_mapping import arch_from_hf_config, conversion_pieces

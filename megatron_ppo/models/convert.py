@@ -111,12 +111,6 @@ def atomic_output_dir(final: str, overwrite: bool = False):
         raise
 
 
-def _current_rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
 def _rss_text() -> str:
     import psutil
 

@@ -72,11 +72,6 @@ def train_step(ddp_models, optimizer, micro_batches: list[dict], loss_fn):
     return metrics, update_successful, grad_norm
 
 
-def set_train_mode(models, training: bool) -> None:
-    for m in models if isinstance(models, (list, tuple)) else [models]:
-        m.train(training)
-
-
 @torch.no_grad()
 def copy_weights(src, dst) -> None:
     """Copy parameters (same architecture and layout) from one stage to another, e.g. actor -> reference."""
