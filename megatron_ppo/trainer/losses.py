@@ -38,7 +38,7 @@ def actor_loss_fn(actor_cfg, *, vocab_size: int, temperature: float, mini_batch_
            "global_batch_size": mini_batch_seqs, "loss_scale_factor": actor_cfg.loss_scale_factor}
 
     def loss_fn(logits, micro):
-        mask = micro["response_mask"]
+        mask = micro["loss_mask"]
         log_prob, entropy = response_logprobs_entropy(logits, micro, vocab_size, temperature)
         pg_loss, metrics = compute_policy_loss(
             micro["old_log_probs"], log_prob, micro["advantages"], mask, clip_ratio=actor_cfg.clip_ratio,
@@ -65,7 +65,7 @@ def critic_loss_fn(critic_cfg, *, mini_batch_tokens: int, mini_batch_seqs: int):
     def loss_fn(values, micro):
         vpreds = gather_response(values[..., 0], micro)
         loss, clipfrac = compute_value_loss(
-            vpreds, micro["returns"], micro["values"], micro["response_mask"], critic_cfg.cliprange_value,
+            vpreds, micro["returns"], micro["values"], micro["loss_mask"], critic_cfg.cliprange_value,
             loss_agg_mode=critic_cfg.loss_agg_mode, batch_num_tokens=mini_batch_tokens,
             global_batch_size=mini_batch_seqs)
         return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac}

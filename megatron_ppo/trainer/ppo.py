@@ -71,6 +71,7 @@ class PPOTrainer:
         width = out.responses.shape[1]
         mask = (torch.arange(width) < out.response_lengths.unsqueeze(1)).float()
         meta = {key: [prompts[key][i] for i in rows] for key in ("raw_prompt", "data_source", "reward_model", "extra_info", "index")}
+        meta["uid"] = [f"{self.step}-{i}" for i in rows]  # GRPO groups: the n responses to one prompt of this batch
         return RolloutBatch(prompt_ids, out.responses, mask, {"rollout_log_probs": out.log_probs * mask}, meta)
 
     def score(self, batch: RolloutBatch, metrics: dict) -> None:
@@ -120,7 +121,7 @@ class PPOTrainer:
             t["advantages"], t["returns"] = masked_whiten(advantages, mask) * mask, returns
             metrics["critic/vf_explained_var"] = float(explained_variance(t["values"], returns, mask))
         else:
-            index = np.array([str(i) for i in batch.meta["index"]], dtype=object)
+            index = np.array(batch.meta["uid"], dtype=object)
             t["advantages"], t["returns"] = compute_grpo_outcome_advantage(
                 rewards, mask, index, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
         rc = alg.rollout_correction
@@ -130,10 +131,10 @@ class PPOTrainer:
                 rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold)
             if weights is not None:
                 t["rollout_is_weights"] = weights
-            batch.response_mask = new_mask
+            t["loss_mask"] = new_mask  # response_mask stays: it says which tokens exist (lengths, packing)
             metrics.update(rc_metrics)
-        metrics["critic/advantages/mean"] = float(masked_mean(t["advantages"], batch.response_mask))
-        metrics["critic/returns/mean"] = float(masked_mean(t["returns"], batch.response_mask))
+        metrics["critic/advantages/mean"] = float(masked_mean(t["advantages"], batch.loss_mask))
+        metrics["critic/returns/mean"] = float(masked_mean(t["returns"], batch.loss_mask))
 
     def update_critic(self, batch: RolloutBatch, metrics: dict) -> None:
         c = self.cfg.critic
@@ -169,7 +170,7 @@ class PPOTrainer:
                     self.cfg.trainer.seed * 1000 + self.step * 10 + epoch)).tolist()
             for rows in split_rows(order, mini):
                 micros = [pack_rows(batch, r, keys) for r in split_rows(rows, micro_size or len(rows))]
-                tokens = int(batch.response_mask[rows].sum())
+                tokens = int(batch.loss_mask[rows].sum())
                 result = worker.train_step(micros, make_loss(tokens, len(rows)), skip)
                 collected.append(result)
         for key in collected[0]["micro"][0]:
@@ -178,7 +179,7 @@ class PPOTrainer:
             metrics[key] = float(np.mean(per_step))
         metrics[f"{role}/grad_norm"] = float(np.nanmean([r["grad_norm"] for r in collected])) if any(
             r["update_skipped"] == 0 for r in collected) else float("nan")
-        metrics[f"{role}/lr"] = collected[-1]["lr"]
+        metrics[f"{role}/lr"] = worker.step_lr_scheduler()
         metrics[f"{role}/updates_skipped"] = float(sum(r["update_skipped"] for r in collected))
 
     def record(self, batch: RolloutBatch, metrics: dict) -> None:

@@ -18,13 +18,18 @@ from megatron_ppo.models.forward import pack_sequences
 class RolloutBatch:
     prompt_ids: list[torch.Tensor]  # B 1-D long tensors
     responses: torch.Tensor  # [B, R] long, padded after each response
-    response_mask: torch.Tensor  # [B, R] float32, 1 on response tokens (eos included)
+    response_mask: torch.Tensor  # [B, R] float32, 1 on response tokens (eos included); never changed after rollout
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token [B, R] (or per-row [B]) values
     meta: dict[str, list] = field(default_factory=dict)  # per-row python values (data_source, ground truth, ...)
 
     @property
     def size(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """The tokens losses and statistics count: response_mask, minus rejected tokens once rejection ran."""
+        return self.tensors.get("loss_mask", self.response_mask)
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -37,7 +42,8 @@ class RolloutBatch:
 
 def pack_rows(batch: RolloutBatch, rows: list[int], keys: tuple[str, ...] = ()) -> dict:
     """One packed micro-batch of ``rows``: input_ids [1, T], cu_seqlens, resp_pos [b, R], plus ``keys`` from
-    batch.tensors (indexed by rows) and the response mask."""
+    batch.tensors (indexed by rows), the response mask (which tokens exist) and the loss mask (which of them the
+    losses count: the response mask minus tokens rejected by rollout correction)."""
     if not rows:
         raise ValueError("pack_rows: no rows")
     lengths = batch.response_lengths
@@ -51,7 +57,7 @@ def pack_rows(batch: RolloutBatch, rows: list[int], keys: tuple[str, ...] = ()) 
     ])
     index = torch.as_tensor(rows, dtype=torch.long)
     micro = {"input_ids": input_ids, "cu_seqlens": cu_seqlens, "resp_pos": resp_pos,
-             "response_mask": batch.response_mask[index]}
+             "response_mask": batch.response_mask[index], "loss_mask": batch.loss_mask[index]}
     for key in keys:
         micro[key] = batch.tensors[key][index]
     return micro

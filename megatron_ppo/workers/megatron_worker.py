@@ -47,7 +47,7 @@ class MegatronWorker:
         Returns {"micro": [per micro-batch metrics as floats], "grad_norm", "lr", "update_skipped"}; how the
         micro-batch metrics combine is the driver's business. skip_step(micro_metrics) -> bool, decided by the
         driver after forward/backward (e.g. the target-KL guard): on skip the gradients are dropped and weights,
-        optimizer state and lr schedule stay unchanged."""
+        optimizer state stay unchanged. The lr schedule advances per training step: see step_lr_scheduler."""
         if self.optimizer is None:
             raise RuntimeError(f"{self.role} worker has no optimizer (built frozen)")
         self.module.train()
@@ -61,9 +61,15 @@ class MegatronWorker:
             self.optimizer.zero_grad()
             return {**result, "grad_norm": float("nan"), "update_skipped": 1.0}
         ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
         return {**result, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "update_skipped": float(not ok)}
+
+    def step_lr_scheduler(self) -> float:
+        """Advance the lr schedule by one training step (verl's rule: once per step, however many optimizer
+        steps the step's mini-batches and epochs took); returns the lr the step used."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step(increment=1)
+        return lr
 
     def copy_weights_from(self, other: "MegatronWorker") -> None:
         copy_weights(other.model, self.model)

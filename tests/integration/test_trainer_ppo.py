@@ -56,8 +56,9 @@ def test_one_ppo_step_end_to_end(data_dir, tmp_path):
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import PPOTrainer
 
-    overrides = _overrides(data_dir, tmp_path, **{"rollout.dump_dir": str(tmp_path / "dump")})
-
+    # 2 mini-batches per step: the lr schedule must still advance once per training step (verl's rule)
+    overrides = _overrides(data_dir, tmp_path, **{"rollout.dump_dir": str(tmp_path / "dump"),
+                                                  "actor.optim.lr_warmup_steps": 4, "actor.optim.lr_warmup_init": 1e-5})
     cfg = load_config("tiny_cpu", overrides)
     parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
     try:
@@ -68,6 +69,8 @@ def test_one_ppo_step_end_to_end(data_dir, tmp_path):
         parts.tracker.close()
         assert _changed(actor0, parts.actor) and _changed(critic0, parts.critic)
         assert not _changed(ref0, parts.ref)
+        lr = cfg.actor.optim.lr
+        assert parts.actor.optimizer.param_groups[0]["lr"] == pytest.approx(1e-5 + (lr - 1e-5) / 4)
     finally:
         parallel.destroy()
         disable_cpu_platform()
@@ -80,6 +83,7 @@ def test_one_ppo_step_end_to_end(data_dir, tmp_path):
     # Recomputed old log-probs (packed, teacher-forced) equal the sampler's log-probs of the same tokens.
     assert metrics["rollout/logprob_abs_diff_max"] < 1e-4
     assert metrics["actor/updates_skipped"] == 0
+    assert metrics["actor/lr"] == pytest.approx(1e-5)  # the lr step 1 used: the start of warmup
     logged = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["step"] == 1 and logged[-1]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"])
     # The step's rollouts were dumped as trajectory parquet that the offline dataset reads back.
@@ -185,3 +189,41 @@ def test_actor_and_critic_start_from_an_hf_checkpoint(data_dir, tmp_path):
         disable_cpu_platform()
     assert history[0]["rollout/logprob_abs_diff_max"] < 1e-4
     assert list((tmp_path / "ckpt" / "hf_import").iterdir())  # the conversion is cached for the next run
+
+
+@pytest.mark.slow
+def test_grpo_step_groups_the_n_responses_of_each_prompt(data_dir, tmp_path):
+    """adv_estimator=grpo: no critic; each prompt's rollout.n responses form one group (uid per prompt and step),
+    so every group's advantages are centred on the group's mean reward."""
+    from megatron_ppo import parallel
+    from megatron_ppo.algo.advantages import masked_mean
+    from megatron_ppo.parallel.platform import disable_cpu_platform
+    from megatron_ppo.trainer.components import build_components
+    from megatron_ppo.trainer.ppo import PPOTrainer
+
+    overrides = _overrides(data_dir, tmp_path, **{
+        "algorithm.adv_estimator": "grpo", "rollout.n": 4, "actor.ppo_mini_batch_size": 4,
+        "reward.custom_reward_function.path": str(VOWEL_REWARD)})
+    cfg = load_config("tiny_cpu", overrides)
+    parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
+    try:
+        parts = build_components(cfg)
+        assert parts.critic is None
+        trainer = PPOTrainer(cfg, parts)
+        trainer.step = 1
+        batch = trainer.rollout(parts.train_dataset.collate(parts.sampler.next_batch()))
+        metrics: dict = {}
+        trainer.score(batch, metrics)
+        trainer.evaluate(batch, metrics)
+        trainer.compute_advantages(batch, metrics)
+        trainer.update_actor(batch, metrics)
+        parts.tracker.close()
+    finally:
+        parallel.destroy()
+        disable_cpu_platform()
+    assert batch.meta["uid"] == [f"1-{i}" for i in range(4) for _ in range(4)]
+    scores = batch.tensors["sequence_scores"].reshape(4, 4)
+    assert float(scores.std(dim=1).max()) > 0  # the groups have signal
+    seq_adv = masked_mean(batch.tensors["advantages"], batch.response_mask, axis=-1).reshape(4, 4)
+    assert torch.allclose(seq_adv.mean(dim=1), torch.zeros(4), atol=1e-5)
+    assert metrics["actor/updates_skipped"] == 0 and "actor/pg_loss" in metrics

@@ -46,3 +46,18 @@ def test_num_tokens_and_split_rows():
         split_rows([0], 0)
     with pytest.raises(ValueError, match="no rows"):
         pack_rows(batch, [])
+
+
+def test_rejected_tokens_leave_the_loss_mask_but_not_the_packed_sequence():
+    """Token-level rejection punches holes in what losses count; the response itself (lengths, packing, the
+    position of every later token) must not change."""
+    batch = _batch()
+    loss_mask = batch.response_mask.clone()
+    loss_mask[1, 1] = 0  # reject the second token of row 1 (a hole inside its response)
+    batch.tensors["loss_mask"] = loss_mask
+    assert batch.response_lengths.tolist() == [2, 4, 1]
+    micro = pack_rows(batch, [1])
+    assert micro["input_ids"].tolist() == [[21, 201, 202, 203, 204]]
+    assert micro["response_mask"].tolist() == [[1, 1, 1, 1]]
+    assert micro["loss_mask"].tolist() == [[1, 0, 1, 1]]
+    assert micro["resp_pos"].tolist() == [[0, 1, 2, 3]]
