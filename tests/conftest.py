@@ -1,11 +1,23 @@
-"""Shared test fixtures: a single-process Megatron world, and a pool of 2 local ranks for multi-process tests."""
+"""Shared test fixtures: a single-process Megatron world, and a pool of 2 local ranks for multi-process tests.
+
+Hypothesis profiles (``HYPOTHESIS_PROFILE=ci|dev``, or pytest's ``--hypothesis-profile``):
+  ``ci``   reproducible: derandomized (examples derived from each test's source), no example database, no deadline
+           (2 busy cores cannot promise one), failing examples printed with their reproduction blob; .ci/run uses it.
+  ``dev``  the default: random exploration, local example database (replays past failures), no deadline.
+Settings written on a test (``settings(max_examples=...)``) override only the keys they name.
+"""
 from __future__ import annotations
 
 import os
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
+
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 @pytest.fixture(scope="session")
