@@ -55,6 +55,7 @@ from megatron_ppo.models.hf_mapping import (
     to_mcore,
     validate_layout,
 )
+from megatron_ppo.models.vocab_rows import vocab_rows_problem
 
 logger = logging.getLogger(__name__)
 
@@ -383,13 +384,14 @@ def _check_mcore_inventory(reader: DistCheckpointReader, arch, key_prefix: str, 
         inner = st.shape if m.layer is None else st.shape[1:]
         if m.layer is not None and st.shape[0] != arch.num_layers:
             problems.append(f"{key!r} stacks {st.shape[0]} layers, the config has {arch.num_layers}")
-        if m.kind == "vocab":
-            ok = inner[1:] == m.shape[1:] and inner[0] >= arch.vocab_size
-        else:
-            ok = inner == m.shape
-        if not ok:
-            problems.append(f"{key!r} has shape {st.shape}, expected {m.shape} per layer"
-                            + (" (rows >= vocab)" if m.kind == "vocab" else ""))
+        if m.kind == "vocab":  # any layout's padded vocab, never another vocabulary (vocab_rows)
+            rows_problem = vocab_rows_problem(inner[0], arch)
+            if inner[1:] != m.shape[1:] or rows_problem:
+                problems.append(f"{key!r} has shape {st.shape}, expected [vocab rows, {m.shape[1]}]"
+                                + (f": {rows_problem}" if rows_problem else ""))
+                continue
+        elif inner != m.shape:
+            problems.append(f"{key!r} has shape {st.shape}, expected {m.shape} per layer")
             continue
         problem = chunk_coverage_problems(st.shape, reader.chunks[key])
         if problem:

@@ -16,7 +16,9 @@ Global (TP-independent) layouts, as megatron-core 0.16.1 reads them:
   1/tp of the rows (ng/tp whole groups, or a slice of one group when tp > ng).
 - ``linear_fc1`` (SwiGLU): cat(gate, up) over the full ffn; a TP rank holds cat(gate_r, up_r) locally, which
   megatron's swiglu sharded factory stores as chunk r and chunk tp + r of 2*tp.
-- ``word_embeddings`` / ``output_layer``: vocab rows padded with zeros to ``arch.padded_vocab_size(tp)``.
+- ``word_embeddings`` / ``output_layer``: vocab rows padded with zeros to ``arch.padded_vocab_size(tp)``. An HF
+  tensor must have exactly ``vocab_size`` rows; a Megatron one the vocab or its padding at a TP megatron allows
+  (``vocab_rows``): anything else is another vocabulary and raises instead of being zero-filled or truncated.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from megatron_ppo.models.arch import ModelArch
+from megatron_ppo.models.vocab_rows import vocab_rows_problem
 
 
 class ConversionError(ValueError):
@@ -385,6 +388,9 @@ def to_mcore(m: TensorMap, hf: Mapping[str, torch.Tensor], arch: ModelArch) -> t
     elif m.kind == "gate_up":
         out = fuse_gate_up(*ts)
     elif m.kind == "vocab":
+        if ts[0].shape[0] != arch.vocab_size:  # pad_vocab would zero-fill the missing real tokens
+            raise ConversionError(f"{m.hf_names[0]}: {ts[0].shape[0]} rows, the config's vocab_size is "
+                                  f"{arch.vocab_size}")
         out = pad_vocab(ts[0], m.shape[0])
     else:  # pragma: no cover - the map is built above
         raise AssertionError(m.kind)
@@ -403,6 +409,9 @@ def to_hf(m: TensorMap, tensor: torch.Tensor, arch: ModelArch) -> tuple[dict[str
     elif m.kind == "gate_up":
         parts = split_gate_up(tensor)
     elif m.kind == "vocab":
+        problem = vocab_rows_problem(tensor.shape[0], arch)
+        if problem:  # unpad_vocab would drop real tokens of a larger vocabulary
+            raise ConversionError(f"{m.mcore_key}: {problem}")
         kept, dropped = unpad_vocab(tensor, arch.vocab_size)
         parts = (kept,)
     else:  # pragma: no cover

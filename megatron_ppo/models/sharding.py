@@ -3,7 +3,8 @@
 A full state dict uses global layer numbers (``decoder.layers.{i}``) and the unsharded tensors of a TP=1 model.
 Slicing follows what megatron records on each parameter: ``tensor_model_parallel``, ``partition_dim`` and
 ``partition_stride`` (2 for the SwiGLU ``linear_fc1``, whose rank slice is [gate_r; up_r]). Vocab-sized tensors
-are re-padded to this layout's padded vocab (rows beyond the true vocab are zero).
+are re-padded to this layout's padded vocab (``vocab_rows.repad_vocab``: the true vocab's rows are copied, the
+padding rows are zero; a row count that is neither the true vocab nor a Megatron padding of it raises).
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import re
 
 import torch
 import torch.distributed as dist
+
+from megatron_ppo.models.vocab_rows import repad_vocab
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -45,7 +48,8 @@ def _tp():
 def shard_for_param(full: torch.Tensor, param: torch.Tensor, name: str = "", model=None) -> torch.Tensor:
     """This TP rank's slice of ``full`` for ``param`` (replicated params: ``full`` itself)."""
     if model is not None and any(name.endswith(v) for v in _VOCAB_PARAMS) and getattr(param, "tensor_model_parallel", False):
-        full = _repad_vocab(full, _unwrap(model).vocab_size, _unwrap(model).arch.vocab_size)
+        core = _unwrap(model)
+        full = repad_vocab(full, name, core.arch, core.vocab_size)
     if not getattr(param, "tensor_model_parallel", False):
         if tuple(full.shape) != tuple(param.shape):
             raise ValueError(f"{name}: full shape {tuple(full.shape)} != replicated param {tuple(param.shape)}")
@@ -57,15 +61,6 @@ def shard_for_param(full: torch.Tensor, param: torch.Tensor, name: str = "", mod
         raise ValueError(f"{name}: full dim {dim} is {full.shape[dim]}, expected {param.shape[dim]} x TP {world}")
     pieces = torch.chunk(full, world * stride, dim=dim)
     return torch.cat(pieces[rank::world], dim=dim)
-
-
-def _repad_vocab(full: torch.Tensor, padded_vocab: int, vocab: int) -> torch.Tensor:
-    if full.shape[0] == padded_vocab:
-        return full
-    out = full.new_zeros((padded_vocab,) + tuple(full.shape[1:]))
-    rows = min(vocab, full.shape[0])
-    out[:rows] = full[:rows]
-    return out
 
 
 @torch.no_grad()
