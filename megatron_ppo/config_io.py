@@ -59,8 +59,46 @@ _Loader.add_implicit_resolver(
 )
 
 
-def yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader subclass
+def yaml_load(text: str, source: str | None = None) -> Any:
+    """One YAML document, refusing duplicate mapping keys (PyYAML would silently keep the last one, so a
+    `clip_ratio: 0.2` further down a file could be overridden by a forgotten `clip_ratio: 0.5`).
+
+    `source` (a file name) is named in the error. Raises ConfigError for a duplicate key, yaml.YAMLError for
+    malformed YAML.
+    """
+    loader = _Loader(text)  # a SafeLoader subclass
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        duplicates = _duplicate_keys(node, "")
+        if duplicates:
+            raise ConfigError(duplicates, source)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _duplicate_keys(node: yaml.Node, prefix: str) -> list[str]:
+    """`dotted.key: duplicate key at lines A and B` for every scalar key repeated in one mapping, at any depth."""
+    problems = []
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            child = prefix
+            if isinstance(key_node, yaml.ScalarNode):
+                child = f"{prefix}{key_node.value}"
+                ident, line = (key_node.tag, key_node.value), key_node.start_mark.line + 1
+                if ident in first_line and key_node.value != "<<":  # `<<` is YAML's merge key, not data
+                    problems.append(f"{child}: duplicate key at lines {first_line[ident]} and {line} "
+                                    "(YAML would silently keep only the last; remove one)")
+                first_line.setdefault(ident, line)
+            problems += _duplicate_keys(value_node, child + ".")
+    elif isinstance(node, yaml.SequenceNode):
+        base = prefix.rstrip(".")
+        for i, item in enumerate(node.value):
+            problems += _duplicate_keys(item, f"{base}[{i}].")
+    return problems
 
 
 def yaml_dump(data: Any) -> str:
@@ -304,6 +342,10 @@ def apply_overrides(
             continue
         try:
             value = yaml_load(raw) if raw.strip() else None
+        except ConfigError as exc:  # a flow mapping with a repeated key
+            inner = exc.errors[0]
+            errors.append(f"override {text!r}: {key}{'' if inner.startswith('[') else '.'}{inner}")
+            continue
         except yaml.YAMLError as exc:
             errors.append(f"override {text!r}: {key}: value is not valid YAML ({exc.__class__.__name__})")
             continue

@@ -9,6 +9,8 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron_ppo.data.manifest import check_against_manifest
+
 
 def atomic_write_table(table: pa.Table, path: str | Path) -> Path:
     """Write `table` to `path` so readers see the old file or the whole new one, never a partial file."""
@@ -49,9 +51,11 @@ def expand_parquet_paths(paths: str | Path | Iterable[str | Path], what: str = "
 
 
 def read_tables(paths: list[Path]) -> list[tuple[Path, pa.Table]]:
-    """Each file with its table (kept apart so errors can name the file a row came from)."""
+    """Each file with its table (kept apart so errors can name the file a row came from). A file named by a
+    preprocessing manifest beside it must match it (data/manifest.py)."""
     out = []
     for p in paths:
+        check_against_manifest(p)  # a file of a preprocessed set must be the one its manifest records
         try:
             out.append((p, pq.read_table(p)))
         except (pa.ArrowInvalid, OSError) as e:

@@ -13,25 +13,33 @@ from pathlib import Path
 import pyarrow as pa
 
 from megatron_ppo.data import gsm8k
-from megatron_ppo.data.parquet_io import atomic_write_table
+from megatron_ppo.data.manifest import sha256_file, write_set
 from megatron_ppo.data.schema import GSM8K_PROMPT_SCHEMA
 
 log = logging.getLogger(__name__)
 
 
 def preprocess_gsm8k(input_dir: str | Path, out_dir: str | Path, splits=gsm8k.SPLITS) -> dict[str, int]:
-    """Write `<out>/<split>.parquet` for each split; returns rows written per split (always = lines read)."""
+    """Write `<out>/<split>.parquet` for each split; returns rows written per split (always = lines read).
+
+    All splits are read and converted before anything is written, then written as one set with a manifest
+    (`data/manifest.py`): a bad line anywhere leaves `out_dir` exactly as it was, never a new train.parquet beside
+    an old test.parquet.
+    """
     input_dir, out_dir = Path(input_dir), Path(out_dir)
-    counts = {}
+    tables, sources = {}, {}
     for split in splits:
         src = input_dir / f"{split}.jsonl"
         if not src.is_file():
             raise FileNotFoundError(f"--input: {src} not found (expected GSM8K {split}.jsonl in {input_dir})")
         rows = gsm8k.read_jsonl(src, split)
-        table = pa.Table.from_pylist(rows, schema=GSM8K_PROMPT_SCHEMA)
-        atomic_write_table(table, out_dir / f"{split}.parquet")
-        counts[split] = table.num_rows
-        log.info("gsm8k %s: %d rows -> %s", split, table.num_rows, out_dir / f"{split}.parquet")
+        tables[f"{split}.parquet"] = pa.Table.from_pylist(rows, schema=GSM8K_PROMPT_SCHEMA)
+        sources[src.name] = {"path": str(src.resolve()), "sha256": sha256_file(src)}
+    write_set(out_dir, tables, {"dataset": "gsm8k", "sources": sources})
+    counts = {}
+    for split in splits:
+        counts[split] = tables[f"{split}.parquet"].num_rows
+        log.info("gsm8k %s: %d rows -> %s", split, counts[split], out_dir / f"{split}.parquet")
     return counts
 
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from megatron_ppo.algo.kl_control import TargetKLGuard, build_kl_controller
+from megatron_ppo.data.gsm8k import SPLITS as GSM8K_SPLITS
 from megatron_ppo.data.gsm8k import default_gsm8k_dir
+from megatron_ppo.data.parquet_io import expand_parquet_paths
 from megatron_ppo.data.preprocess import preprocess_gsm8k
 from megatron_ppo.data.prompt_dataset import PromptDataset, overlong_policy_from_verl
 from megatron_ppo.data.sampler import StatefulSampler
@@ -47,16 +49,24 @@ class Components:
 
 
 def prepare_data(cfg) -> str | None:
-    """Run the configured preprocessing (tiny default: GSM8K jsonl -> parquet, BPE tokenizer) when outputs are
-    missing; returns the built tokenizer directory, if any."""
+    """Run the configured preprocessing (tiny default: GSM8K jsonl -> parquet, BPE tokenizer) when ITS OWN outputs
+    are missing, then check that every data.train_files / data.val_files entry exists; returns the built
+    tokenizer directory, if any.
+
+    A wrong path is an error naming the key, before any model is built; it never triggers preprocessing (which
+    would rewrite files that path does not even name). An entry may be a parquet file or a directory, which stands
+    for its *.parquet files in name order (what PromptDataset reads).
+    """
     pre = cfg.data.preprocess
-    if pre.dataset is None:
-        return None
     source = Path(pre.input_dir) if pre.input_dir else default_gsm8k_dir()
-    missing = [f for f in [*cfg.data.train_files, *cfg.data.val_files] if not Path(f).is_file()]
-    if missing:
-        counts = preprocess_gsm8k(source, pre.output_dir)
-        log.info("preprocessed GSM8K from %s: %s", source, counts)
+    if pre.dataset is not None:
+        outputs = [Path(pre.output_dir) / f"{split}.parquet" for split in GSM8K_SPLITS]
+        if not all(f.is_file() for f in outputs):
+            counts = preprocess_gsm8k(source, pre.output_dir)
+            log.info("preprocessed GSM8K from %s: %s", source, counts)
+    for key in ("train_files", "val_files"):
+        for i, entry in enumerate(getattr(cfg.data, key)):
+            expand_parquet_paths(entry, what=f"data.{key}[{i}]")  # FileNotFoundError naming the key
     if pre.build_tokenizer:
         return str(gsm8k_tokenizer_dir(pre.output_dir, source, pre.tokenizer_vocab_size))
     return None

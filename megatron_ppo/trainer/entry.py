@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     if refused:
         raise SystemExit(f"megatron-ppo train: the in-process driver (one rank) does not support {refused} yet; "
                          "they come with the Ray driver (multi-rank, offline, resume). Nothing was run.")
+    from megatron_ppo.config import to_yaml
+    from megatron_ppo.trainer.tracking import LogDirInUseError, claim_log_dir
+
+    try:  # before anything is built: a second run into the same log dir is refused in a second, not after minutes
+        claim_log_dir(cfg.trainer, to_yaml(cfg))
+    except LogDirInUseError as exc:
+        raise SystemExit(f"megatron-ppo train: {exc}. Nothing was run.") from None
     logging.getLogger(__name__).warning("checkpointing is not in the in-process driver yet: this run saves none")
 
     from megatron_ppo import parallel

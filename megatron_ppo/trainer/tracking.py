@@ -6,6 +6,8 @@ for verl read ours unchanged.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import hashlib
 import json
 import math
 import os
@@ -13,6 +15,61 @@ import time
 from collections.abc import Iterator, Mapping
 
 KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "swanlab")
+METRICS_FILE = "metrics.jsonl"  # one {"step": N, ...} record per line, nothing else (readers rely on that)
+RUN_FILE = "run.json"  # beside it: which run wrote the records
+
+
+class LogDirInUseError(FileExistsError):
+    """The log dir's metrics.jsonl already holds another run's records; appending would mix two runs."""
+
+
+def _records_in(path: str) -> int:
+    if not os.path.isfile(path):
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def claim_log_dir(trainer_cfg, config_text: str) -> str:
+    """Make trainer.log_dir this run's, before anything expensive is built; returns the expanded directory.
+
+    A metrics.jsonl with records from an earlier run is refused (records of two runs in one file cannot be told
+    apart) unless trainer.overwrite, which empties it. Then run.json names this run: start time and the sha256 of
+    its resolved config. Resuming (trainer.resume_mode with a checkpoint to resume from) is where appending to the
+    earlier run's file would be right; the in-process driver saves no checkpoints yet, so every run here is new.
+    """
+    t = trainer_cfg
+    log_dir = t.expand(t.log_dir)
+    if "jsonl" not in t.logger:
+        return log_dir
+    metrics = os.path.join(log_dir, METRICS_FILE)
+    records = _records_in(metrics)
+    if records and not t.overwrite:
+        elsewhere = ("a new trainer.experiment_name" if "{experiment_name}" in t.log_dir
+                     else "another trainer.log_dir")
+        raise LogDirInUseError(
+            f"trainer.log_dir={log_dir}: {metrics} already holds {records} records of an earlier run "
+            f"({_describe_run(os.path.join(log_dir, RUN_FILE))}); a second run would be mixed into the same file. "
+            f"Set trainer.overwrite=true to start it afresh, or choose {elsewhere}")
+    os.makedirs(log_dir, exist_ok=True)
+    open(metrics, "w").close()  # empty: this run's records only (overwrite, or no records yet)
+    run = {"run_start": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
+           "project_name": t.project_name, "experiment_name": t.experiment_name, "metrics": METRICS_FILE}
+    tmp = os.path.join(log_dir, f".{RUN_FILE}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(run, f, indent=1)
+    os.replace(tmp, os.path.join(log_dir, RUN_FILE))
+    return log_dir
+
+
+def _describe_run(run_file: str) -> str:
+    try:
+        with open(run_file) as f:
+            run = json.load(f)
+        return f"started {run['run_start']}, config sha256 {run['config_sha256'][:12]}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no readable {RUN_FILE}"
 
 
 def _as_float(value) -> float:
@@ -25,14 +82,23 @@ class Tracker:
     """Fans a dict of scalar metrics out to the configured loggers."""
 
     def __init__(self, loggers: list[str], log_dir: str, project: str = "megatron_ppo", experiment: str = "run",
-                 config: Mapping | None = None):
+                 config: Mapping | None = None, overwrite: bool = False):
+        """A metrics.jsonl that already has records is refused (LogDirInUseError) unless `overwrite`, which
+        starts it afresh: one file never holds two runs."""
         unknown = [name for name in loggers if name not in KNOWN_LOGGERS]
         if unknown:
             raise ValueError(f"trainer.logger: unknown logger(s) {unknown}; allowed: {list(KNOWN_LOGGERS)}")
         self.loggers = list(loggers)
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a") if "jsonl" in loggers else None
+        self._jsonl = None
+        if "jsonl" in loggers:
+            path = os.path.join(log_dir, METRICS_FILE)
+            records = 0 if overwrite else _records_in(path)
+            if records:
+                raise LogDirInUseError(f"{path} already holds {records} records of an earlier run; pass "
+                                       "overwrite=True (trainer.overwrite=true) or use another log dir")
+            self._jsonl = open(path, "w")
         self._tb = None
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package (extra: tracking)

@@ -59,8 +59,8 @@ def test_save_config_then_load_config_by_path(tmp_path):
 
 def test_exponent_floats_without_a_dot_are_floats():
     # YAML 1.1 (PyYAML's default) reads "1e-6" as a string; our loader reads it as the number users mean.
-    cfg = config_from_dict(yaml_load("actor: {optim: {lr: 1e-6}}\n" + (CONFIG_DIR / "tiny_cpu.yaml").read_text()
-                                     .replace("lr: 1.0e-4\n    clip_grad", "clip_grad")))
+    cfg = config_from_dict(yaml_load((CONFIG_DIR / "tiny_cpu.yaml").read_text()
+                                     .replace("lr: 1.0e-4\n    clip_grad", "lr: 1e-6\n    clip_grad")))
     assert cfg.actor.optim.lr == 1e-6 and isinstance(cfg.actor.optim.lr, float)
 
 

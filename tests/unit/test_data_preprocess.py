@@ -84,3 +84,82 @@ def test_malformed_line_names_file_and_line(tmp_path, capsys, bad_line, message)
 def test_missing_input_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="test.jsonl not found"):
         preprocess_gsm8k(tmp_path, tmp_path / "out", splits=("test",))
+
+
+# ---------------------------------------------------------------------------------------------- written as one set
+
+def _raw(folder: Path, train: list[str], test: list[str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text("".join(line + "\n" for line in train))
+    (folder / "test.jsonl").write_text("".join(line + "\n" for line in test))
+    return folder
+
+
+def _good(n: int, tag: str = "") -> list[str]:
+    return [json.dumps({"question": f"{tag}q{i}?", "answer": f"so {i}\n#### {i}"}) for i in range(n)]
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_failed_preprocess_leaves_the_old_pair_intact(tmp_path, capsys):
+    from megatron_ppo.data.manifest import MANIFEST_NAME
+
+    out = tmp_path / "out"
+    assert preprocess_gsm8k(_raw(tmp_path / "v1", _good(3), _good(2)), out) == {"train": 3, "test": 2}
+    before = _snapshot(out)
+    # v2: a different, valid train.jsonl and a test.jsonl with a bad line: nothing of v2 may land in `out`
+    v2 = _raw(tmp_path / "v2", _good(5, "new"), [*_good(1), "{not json"])
+    with pytest.raises(gsm8k.MalformedLineError, match=r"test\.jsonl:2: "):
+        preprocess_gsm8k(v2, out)
+    assert _snapshot(out) == before
+    assert main(["gsm8k", "--input", str(v2), "--out", str(out)]) == 2
+    assert "test.jsonl:2" in capsys.readouterr().err
+    assert _snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "v1", "v2"]  # no temp dir left behind
+    assert set(before) == {"train.parquet", "test.parquet", MANIFEST_NAME}
+
+
+def test_manifest_names_the_pair_and_a_mixed_pair_is_refused_on_read(tmp_path):
+    from megatron_ppo.data.manifest import MANIFEST_NAME, ManifestMismatchError, sha256_file
+    from megatron_ppo.data.parquet_io import expand_parquet_paths, read_tables
+
+    raw = _raw(tmp_path / "raw", _good(3), _good(2))
+    preprocess_gsm8k(raw, tmp_path / "a")
+    manifest = json.loads((tmp_path / "a" / MANIFEST_NAME).read_text())
+    assert manifest["dataset"] == "gsm8k"
+    assert manifest["sources"]["train.jsonl"]["sha256"] == sha256_file(raw / "train.jsonl")
+    assert {n: e["rows"] for n, e in manifest["files"].items()} == {"train.parquet": 3, "test.parquet": 2}
+    assert all(e["sha256"] == sha256_file(tmp_path / "a" / n) for n, e in manifest["files"].items())
+    assert [t.num_rows for _, t in read_tables(expand_parquet_paths(tmp_path / "a"))] == [2, 3]  # test, train
+
+    preprocess_gsm8k(_raw(tmp_path / "raw2", _good(4, "other"), _good(2)), tmp_path / "b")
+    (tmp_path / "a" / "train.parquet").write_bytes((tmp_path / "b" / "train.parquet").read_bytes())
+    with pytest.raises(ManifestMismatchError, match=r"a/train\.parquet: not the file .*test\.parquet"):
+        read_tables(expand_parquet_paths(tmp_path / "a" / "train.parquet"))
+    read_tables(expand_parquet_paths(tmp_path / "a" / "test.parquet"))  # the untouched file still reads
+
+
+def test_a_crash_between_the_renames_is_detected_on_read(tmp_path, monkeypatch):
+    """The manifest moves in first: stopped after train.parquet moved but before test.parquet did, the old
+    test.parquet no longer matches the manifest and is refused."""
+    from megatron_ppo.data import manifest as M
+    from megatron_ppo.data.parquet_io import expand_parquet_paths, read_tables
+
+    out = tmp_path / "out"
+    preprocess_gsm8k(_raw(tmp_path / "v1", _good(3), _good(2)), out)
+    real_replace = M.os.replace
+
+    def replace(src, dst):
+        if Path(dst).name == "test.parquet":
+            raise OSError("simulated crash between renames")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(M.os, "replace", replace)
+    with pytest.raises(OSError, match="simulated"):
+        preprocess_gsm8k(_raw(tmp_path / "v2", _good(5, "new"), _good(4, "new")), out)
+    monkeypatch.undo()
+    assert [t.num_rows for _, t in read_tables([out / "train.parquet"])] == [5]
+    with pytest.raises(M.ManifestMismatchError, match=r"out/test\.parquet: not the file"):
+        read_tables(expand_parquet_paths(out))
