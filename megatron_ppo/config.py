@@ -286,6 +286,9 @@ class TrainerConfig:
     total_epochs: int = field(30, "passes over the training prompts")
     total_training_steps: Optional[int] = field(None, "stop after this many PPO steps; null: from total_epochs")
     critic_warmup: int = field(0, "steps that update only the critic")
+    max_consecutive_skips: int = field(3, "stop with an error after this many steps in a row in which a role had an "
+                                       "update skipped for a non-finite loss or gradient norm (the skipped updates "
+                                       "never reach the weights); -1: never stop", None)
     save_freq: int = field(-1, "checkpoint every N steps; -1: only at the end")
     test_freq: int = field(-1, "validate every N steps; -1: off")
     val_before_train: bool = field(True, "validate once before the first step")

@@ -5,11 +5,14 @@ ignored (a threshold without its switch, phases for a non-phased controller) is 
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from .config import (ArchConfig, ModelConfig, OptimConfig, PPOConfig, RolloutConfig,
                      SamplingConfig)
 from .config_io import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class _Errors(list):
@@ -238,8 +241,13 @@ def _reward(cfg: PPOConfig, errs: _Errors) -> None:
     errs.non_negative("reward.length_penalty_coef", r.length_penalty_coef)
     errs.non_negative("reward.repetition_penalty_coef", r.repetition_penalty_coef)
     errs.positive("reward.repetition_ngram_size", r.repetition_ngram_size)
-    errs.check(bool(r.custom_reward_function.name), "reward.custom_reward_function.name",
+    custom = r.custom_reward_function
+    errs.check(bool(custom.name), "reward.custom_reward_function.name",
                "must be a function name, got an empty string")
+    default_name = type(custom)().name
+    errs.check(custom.path is not None or custom.name in ("", default_name), "reward.custom_reward_function.name",
+               f"only used with reward.custom_reward_function.path (it is null), got {custom.name!r}; set the path "
+               "of the Python file that defines it, or remove the name")
 
 
 def _sampling(key: str, s: SamplingConfig, errs: _Errors) -> None:
@@ -333,8 +341,15 @@ def _trainer(cfg: PPOConfig, errs: _Errors) -> None:
     errs.positive("trainer.total_epochs", t.total_epochs)
     errs.positive("trainer.total_training_steps", t.total_training_steps, allow_none=True)
     errs.non_negative("trainer.critic_warmup", t.critic_warmup)
+    errs.minus_one_or_positive("trainer.max_consecutive_skips", t.max_consecutive_skips, "never stop")
     errs.minus_one_or_positive("trainer.save_freq", t.save_freq, "only at the end")
     errs.minus_one_or_positive("trainer.test_freq", t.test_freq, "off")
+    if not cfg.data.val_files:
+        errs.check(t.test_freq < 1, "trainer.test_freq", f"validates every {t.test_freq} steps but data.val_files is "
+                   "empty; set data.val_files or trainer.test_freq=-1")
+        if t.val_before_train:  # verl's default is true: a warning, not an error, for configs without val files
+            log.warning("trainer.val_before_train=true does nothing: data.val_files is empty (no validation runs); "
+                        "set data.val_files or trainer.val_before_train=false")
     errs.non_negative("trainer.log_val_generations", t.log_val_generations)
     duplicates = sorted({x for x in t.logger if t.logger.count(x) > 1})
     errs.check(not duplicates, "trainer.logger", f"lists {duplicates} more than once")

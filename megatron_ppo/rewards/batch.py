@@ -1,6 +1,7 @@
 """Score a batch: rule reward per data_source + shaping terms -> total scores and reward/* metrics."""
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -9,6 +10,13 @@ import numpy as np
 
 from megatron_ppo.rewards.registry import get_reward_fn
 from megatron_ppo.rewards.shaping import LengthPenalty, RepetitionPenalty
+
+log = logging.getLogger(__name__)
+
+# |score| above this is finite but suspicious: PPO's value loss squares it (1e30 -> inf in fp32) and a score above
+# ~3.4e38 does not even fit the fp32 reward tensor. Such batches are warned about (with the observed range) and
+# counted as reward/score/num_large; the trainer then skips any update they make non-finite.
+LARGE_REWARD = 1e4
 
 
 class RewardError(ValueError):
@@ -19,7 +27,7 @@ class RewardError(ValueError):
 class RewardOutput:
     scores: np.ndarray  # float64 [B]: the sum of all terms, the sequence-level reward PPO uses
     terms: dict[str, np.ndarray]  # "task" (the data_source's reward) and each configured shaping term, [B] each
-    metrics: dict[str, float]  # reward/<term>/{mean,min,max} and reward/score/{mean,min,max}
+    metrics: dict[str, float]  # reward/<term>/{mean,min,max}, reward/score/{mean,min,max,num_large}
 
 
 def _as_score(value, row: int, data_source: str) -> float:
@@ -90,6 +98,12 @@ def compute_rewards(
         if n:
             metrics.update({f"reward/{name}/mean": float(values.mean()), f"reward/{name}/min": float(values.min()),
                             f"reward/{name}/max": float(values.max())})
+    large = int(np.sum(np.abs(scores) > LARGE_REWARD)) if n else 0
+    metrics["reward/score/num_large"] = float(large)
+    if large:
+        log.warning("%d of %d rewards exceed |%g| (observed range [%g, %g]): finite, but large enough to overflow "
+                    "the value loss in fp32; check the reward function's scale", large, n, LARGE_REWARD,
+                    float(scores.min()), float(scores.max()))
     return RewardOutput(scores=scores, terms=terms, metrics=metrics)
 
 

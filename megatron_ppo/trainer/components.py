@@ -100,11 +100,23 @@ def total_training_steps(cfg, num_prompts: int) -> int:
     return cfg.trainer.total_training_steps or max(num_prompts // cfg.data.train_batch_size, 1) * cfg.trainer.total_epochs
 
 
+def recompute(cfg, role: str) -> dict | None:
+    """The role's activation checkpointing (<role>.model.recompute_*) as models.gpt.build_gpt_model takes it."""
+    model = cfg.model_for(role)
+    if model.recompute_granularity is None:
+        return None
+    return {"granularity": model.recompute_granularity, **({"method": model.recompute_method,
+            "num_layers": model.recompute_num_layers} if model.recompute_granularity == "full" else {})}
+
+
 def build_worker(cfg, role: str, worker_role: str, vocab_size: int, *, optim=None, total_steps: int = 1):
-    """A worker for ``role``, with HF weights loaded when the role's model has a path."""
+    """A worker for ``role``, with HF weights loaded when the role's model has a path; a trainable role gets
+    Megatron's DistributedOptimizer when cluster.<role>.use_distributed_optimizer (a frozen one has no optimizer)."""
     model_cfg = cfg.model_for(role)
+    distributed = getattr(cfg.cluster, role).use_distributed_optimizer if optim is not None else False
     worker = MegatronWorker(worker_role, model_arch(cfg, role, vocab_size), optim=optim, total_steps=total_steps,
-                            params_dtype=params_dtype(cfg, role))
+                            params_dtype=params_dtype(cfg, role), use_distributed_optimizer=distributed,
+                            recompute=recompute(cfg, role))
     if model_cfg.path is not None:
         from megatron_ppo.trainer.hf_import import load_hf_weights
 
@@ -129,7 +141,8 @@ def build_components(cfg) -> Components:
     if cfg.use_reference and (cfg.ref.model.path or cfg.ref.model.arch):
         ref = build_worker(cfg, "ref", "reference", vocab)
     elif cfg.use_reference:
-        ref = MegatronWorker("reference", model_arch(cfg, "ref", vocab), params_dtype=params_dtype(cfg, "ref"))
+        ref = MegatronWorker("reference", model_arch(cfg, "ref", vocab), params_dtype=params_dtype(cfg, "ref"),
+                             recompute=recompute(cfg, "ref"))
         ref.copy_weights_from(actor)  # the reference is the actor's initial policy (random or from HF)
     critic = None
     if cfg.use_critic:

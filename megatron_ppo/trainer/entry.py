@@ -33,8 +33,37 @@ def unsupported_settings(cfg) -> list[str]:
         "reward.reward_model.enable": cfg.reward.reward_model.enable,
         "trainer.save_freq > 0 (checkpointing)": cfg.trainer.save_freq > 0,
         "trainer.resume_mode=resume_path": cfg.trainer.resume_mode == "resume_path",
+        # read nowhere else in the in-process driver (tests/integration/test_config_keys_reach_code.py proves that
+        # every other key reaches the code it names)
+        "data.reward_fn_key (rewards are chosen by data_source)": cfg.data.reward_fn_key != "data_source",
+        "actor.optim.optimizer=sgd (Adam only)": cfg.actor.optim.optimizer != "adam",
+        "critic.optim.optimizer=sgd (Adam only)": cfg.critic.optim.optimizer != "adam",
+        "actor.entropy_from_logits_chunk_size (log-probs and entropy use models.logprobs.DEFAULT_CHUNK)":
+            cfg.actor.entropy_from_logits_chunk_size != 2048,
+        "critic.model.tokenizer_path / ref.model.tokenizer_path (all roles use the actor's tokenizer)": any(
+            m.tokenizer_path not in (None, cfg.actor.model.tokenizer_path) for m in (cfg.critic.model, cfg.ref.model)),
+        "algorithm.rollout_correction.bypass_mode": cfg.algorithm.rollout_correction.bypass_mode,
+        "trainer.log_val_generations > 0": cfg.trainer.log_val_generations > 0,
+        "trainer.max_actor_ckpt_to_keep / max_critic_ckpt_to_keep (checkpointing)":
+            cfg.trainer.max_actor_ckpt_to_keep is not None or cfg.trainer.max_critic_ckpt_to_keep is not None,
     }
     return [name for name, asked in checks.items() if asked]
+
+
+def check_device(cfg, cuda_available: bool) -> None:
+    """cluster.device against this machine: cuda without CUDA is refused (SystemExit naming the key); cpu on a CUDA
+    machine is warned about (the in-process driver always uses CUDA when it is there; tiny_cpu.yaml says cpu and
+    should still run on a GPU box). Checked where training starts, not at config load: configs for GPU clusters
+    are validated on CPU machines."""
+    device = cfg.cluster.device
+    if device == "cuda" and not cuda_available:
+        raise SystemExit("megatron-ppo train: cluster.device=cuda, but torch.cuda.is_available() is false on this "
+                         "machine (the run would go to the CPU); set cluster.device=auto or cpu, or run where CUDA "
+                         "is. Nothing was run.")
+    if device == "cpu" and cuda_available:
+        logging.getLogger(__name__).warning(
+            "cluster.device=cpu, but this machine has CUDA, which the in-process driver uses whenever it is "
+            "available: this run goes to the GPU (hide the GPUs with CUDA_VISIBLE_DEVICES= to run on the CPU)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     if refused:
         raise SystemExit(f"megatron-ppo train: the in-process driver (one rank) does not support {refused} yet; "
                          "they come with the Ray driver (multi-rank, offline, resume). Nothing was run.")
+    import torch
+
+    check_device(cfg, torch.cuda.is_available())
     from megatron_ppo.config import to_yaml
     from megatron_ppo.trainer.tracking import LogDirInUseError, claim_log_dir
 
@@ -56,13 +88,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_ppo import parallel
     from megatron_ppo.trainer.components import build_components
-    from megatron_ppo.trainer.ppo import PPOTrainer
+    from megatron_ppo.trainer.ppo import NonFiniteTrainingError, PPOTrainer
 
     parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
     try:
         parts = build_components(cfg)
-        history = PPOTrainer(cfg, parts).fit(parts.total_steps)
-        parts.tracker.close()
+        try:
+            history = PPOTrainer(cfg, parts).fit(parts.total_steps)
+        except NonFiniteTrainingError as exc:
+            raise SystemExit(f"megatron-ppo train: stopped: {exc}") from None
+        finally:
+            parts.tracker.close()
     finally:
         parallel.destroy()
     last = history[-1] if history else {}

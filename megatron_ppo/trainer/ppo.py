@@ -20,6 +20,12 @@ from megatron_ppo.trainer.tracking import timed
 
 # Micro-batch metrics that are shares of the mini-batch loss (summed); all others are averaged.
 SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
+# Why a worker skipped an update (MegatronWorker.train_step): each is counted as <role>/updates_skipped_<reason>.
+SKIP_REASONS = ("nonfinite", "loss_scale_overflow", "kl_guard")
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """trainer.max_consecutive_skips steps in a row had updates skipped for a non-finite loss or gradient norm."""
 
 
 class PPOTrainer:
@@ -28,6 +34,8 @@ class PPOTrainer:
         self.cfg, self.p = cfg, parts
         self.vocab_size = parts.actor.model.arch.vocab_size
         self.step = 0
+        self.nonfinite_streak: dict[str, int] = {}  # role -> consecutive steps with a non-finite update skipped
+        self.nonfinite_detail: dict[str, str] = {}  # role -> the offending values of its latest such step
 
     # ------------------------------------------------------------------------------------------------ the loop
     def fit(self, total_steps: int) -> list[dict]:
@@ -57,6 +65,7 @@ class PPOTrainer:
                     self.step % self.cfg.trainer.test_freq == 0 or self.step == total_steps):
                 metrics.update(self.validate())
             history.append(self.p.tracker.log(metrics, step=self.step))
+            self.check_nonfinite(metrics)
         return history
 
     # ------------------------------------------------------------------------------------------------ phases
@@ -99,7 +108,10 @@ class PPOTrainer:
         ent = torch.cat([o["entropy"] for o in outputs])
         metrics["actor/entropy_rollout"] = float(masked_mean(ent, batch.response_mask))
         if self.p.ref is not None:
-            outputs = self.p.ref.forward(micros, logprob_fn)
+            ref_size = self.cfg.ref.log_prob_micro_batch_size_per_gpu or batch.size
+            ref_micros = micros if ref_size == size else [
+                pack_rows(batch, rows) for rows in split_rows(list(range(batch.size)), ref_size)]
+            outputs = self.p.ref.forward(ref_micros, logprob_fn)
             batch.tensors["ref_log_probs"] = torch.cat([o["log_probs"] for o in outputs]) * batch.response_mask
         if self.p.critic is not None:
             outputs = self.p.critic.forward(micros, value_output_fn)
@@ -177,10 +189,31 @@ class PPOTrainer:
             per_step = [sum(m[key] for m in r["micro"]) if key in SHARE_METRICS else
                         float(np.mean([m[key] for m in r["micro"]])) for r in collected]
             metrics[key] = float(np.mean(per_step))
-        metrics[f"{role}/grad_norm"] = float(np.nanmean([r["grad_norm"] for r in collected])) if any(
-            r["update_skipped"] == 0 for r in collected) else float("nan")
+        stepped = [r["grad_norm"] for r in collected if not r["update_skipped"]]
+        metrics[f"{role}/grad_norm"] = float(np.mean(stepped)) if stepped else float("nan")  # of applied updates
         metrics[f"{role}/lr"] = worker.step_lr_scheduler()
         metrics[f"{role}/updates_skipped"] = float(sum(r["update_skipped"] for r in collected))
+        for reason in SKIP_REASONS:
+            metrics[f"{role}/updates_skipped_{reason}"] = float(sum(r["skip_reason"] == reason for r in collected))
+        bad = [r for r in collected if r["skip_reason"] == "nonfinite"]
+        self.nonfinite_streak[role] = self.nonfinite_streak.get(role, 0) + 1 if bad else 0
+        if bad:
+            self.nonfinite_detail[role] = (f"{len(bad)} of {len(collected)} updates skipped; their loss "
+                                           f"{[r['loss'] for r in bad]}, grad_norm {[r['grad_norm'] for r in bad]}")
+
+    def check_nonfinite(self, metrics: dict) -> None:
+        """Stop after trainer.max_consecutive_skips steps in a row in which a role had any update skipped for a
+        non-finite loss or gradient norm (-1: never stop). The skipped updates never touched the weights; the
+        step's metrics are already logged."""
+        limit = self.cfg.trainer.max_consecutive_skips
+        stuck = [role for role, streak in self.nonfinite_streak.items() if limit != -1 and streak >= limit]
+        if stuck:
+            raise NonFiniteTrainingError("; ".join(
+                f"{role}: {self.nonfinite_streak[role]} consecutive steps (the last: step {self.step}) had {role} "
+                f"updates skipped for a non-finite loss or gradient norm: {self.nonfinite_detail[role]}"
+                for role in stuck) + f" (trainer.max_consecutive_skips={limit}). reward/score range at step "
+                f"{self.step}: [{metrics.get('reward/score/min')}, {metrics.get('reward/score/max')}]. The weights "
+                "hold the last finite update; look at the reward scale, the learning rate and the loss settings.")
 
     def record(self, batch: RolloutBatch, metrics: dict) -> None:
         lengths = batch.response_lengths.float()
@@ -197,12 +230,12 @@ class PPOTrainer:
             self.p.dumper(self.step, batch)
 
     def validate(self) -> dict:
-        """Greedy (val_kwargs) generation on the validation prompts; mean reward per data source."""
+        """val_kwargs generation (n responses per prompt) on the validation prompts; mean reward per data source."""
         ds = self.p.val_dataset
         size = self.cfg.data.val_batch_size or len(ds)
         scores, sources = [], []
         for rows in split_rows(list(range(len(ds))), size):
-            batch = self.rollout(ds.collate(rows), sampling=self.cfg.rollout.val_kwargs, n=1)
+            batch = self.rollout(ds.collate(rows), sampling=self.cfg.rollout.val_kwargs, n=self.cfg.rollout.val_kwargs.n)
             self.score(batch, {})
             scores += batch.tensors["sequence_scores"].tolist()
             sources += batch.meta["data_source"]

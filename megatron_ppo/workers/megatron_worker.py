@@ -6,19 +6,25 @@ actor per rank unchanged.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 
 from megatron_ppo.models.generation import GenerationOutput, SamplingParams, generate
 from megatron_ppo.models.gpt import build_gpt_model
 from megatron_ppo.models.schedule import forward_backward
 from megatron_ppo.models.training import OptimizerSettings, build_optimizer, copy_weights, wrap_ddp
+from megatron_ppo.parallel.platform import default_device
 
 
 class MegatronWorker:
     def __init__(self, role: str, arch, *, optim=None, total_steps: int = 1, params_dtype=torch.float32,
-                 use_distributed_optimizer: bool = False):
+                 use_distributed_optimizer: bool = False, recompute: dict | None = None):
+        """recompute: activation checkpointing as models.gpt.build_gpt_model takes it ({"granularity", "method",
+        "num_layers"}); use_distributed_optimizer: Megatron's DistributedOptimizer (state sharded over DP)."""
         self.role = role
-        self.model = build_gpt_model(arch, role=role, params_dtype=params_dtype)
+        self.model = build_gpt_model(arch, role=role, params_dtype=params_dtype, recompute=recompute)
         self.ddp = self.optimizer = self.scheduler = None
         if optim is not None:
             self.ddp = wrap_ddp(self.model, use_distributed_optimizer=use_distributed_optimizer)
@@ -44,25 +50,49 @@ class MegatronWorker:
     def train_step(self, micro_batches: list[dict], loss_fn, skip_step=None) -> dict:
         """One optimizer step over the micro-batches.
 
-        Returns {"micro": [per micro-batch metrics as floats], "grad_norm", "lr", "update_skipped"}; how the
-        micro-batch metrics combine is the driver's business. skip_step(micro_metrics) -> bool, decided by the
-        driver after forward/backward (e.g. the target-KL guard): on skip the gradients are dropped and weights,
-        optimizer state stay unchanged. The lr schedule advances per training step: see step_lr_scheduler."""
+        Returns {"micro": [per micro-batch metrics as floats], "loss", "grad_norm", "lr", "update_skipped",
+        "skip_reason"}; how the micro-batch metrics combine is the driver's business. The update is skipped
+        (gradients dropped; weights and optimizer state unchanged) when
+          - the summed loss or the global gradient norm is not finite on any rank ("nonfinite"): a step with an
+            inf/nan loss or norm must never reach the weights, whatever the precision (Megatron's own check only
+            exists in fp16, via the loss scaler);
+          - fp16's loss scaler found an overflow ("loss_scale_overflow", Megatron's own skip; the scale shrinks);
+          - skip_step(micro_metrics) says so ("kl_guard"), a decision of the driver's (the target-KL guard).
+        The lr schedule advances per training step: see step_lr_scheduler."""
         if self.optimizer is None:
             raise RuntimeError(f"{self.role} worker has no optimizer (built frozen)")
         self.module.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        losses = []
+
+        def recording_loss_fn(output, micro):
+            loss, metrics = loss_fn(output, micro)
+            losses.append(loss.detach().float())
+            return loss, metrics
+
         per_micro = [{key: float(value) for key, value in m.items()}
-                     for m in forward_backward(self.ddp, micro_batches, loss_fn)]
-        result = {"micro": per_micro, "lr": self.optimizer.param_groups[0]["lr"]}
+                     for m in forward_backward(self.ddp, micro_batches, recording_loss_fn)]
+        loss = float(torch.stack(losses).sum()) if losses else 0.0  # losses live on the last pipeline stage
+        result = {"micro": per_micro, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
         if skip_step is not None and skip_step(per_micro):
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            return {**result, "grad_norm": float("nan"), "update_skipped": 1.0}
-        ok, grad_norm, _ = self.optimizer.step()
-        return {**result, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "update_skipped": float(not ok)}
+            return self._skip(result, float("nan"), "kl_guard")
+        # optimizer.step() = prepare_grads -> get_grad_norm/clip -> step_with_ready_grads (megatron/core/optimizer/
+        # optimizer.py, 0.16.1); we run the three parts ourselves to check the norm before anything is applied.
+        if self.optimizer.prepare_grads():  # fp16 loss-scale overflow (always False in fp32/bf16)
+            return self._skip(result, float("nan"), "loss_scale_overflow")
+        grad_norm = float(self.optimizer.get_grad_norm())  # global: reduced over the optimizer's grad-stats group
+        if _any_rank(not (math.isfinite(loss) and math.isfinite(grad_norm))):
+            return self._skip(result, grad_norm, "nonfinite")
+        _clip_grads(self.optimizer, grad_norm)
+        ok = self.optimizer.step_with_ready_grads()
+        return {**result, "grad_norm": grad_norm, "update_skipped": float(not ok), "skip_reason": None if ok else
+                "optimizer"}
+
+    def _skip(self, result: dict, grad_norm: float, reason: str) -> dict:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return {**result, "grad_norm": grad_norm, "update_skipped": 1.0, "skip_reason": reason}
 
     def step_lr_scheduler(self) -> float:
         """Advance the lr schedule by one training step (verl's rule: once per step, however many optimizer
@@ -81,8 +111,37 @@ def _lr_scheduler(optimizer, optim, total_steps: int):
 
     warmup = optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total_steps)
     decay_steps = max(optim.lr_decay_steps or total_steps, warmup + 1)
+    min_lr = optim.min_lr if optim.lr_decay_style != "constant" else optim.lr
+    for group in optimizer.param_groups:  # get_megatron_optimizer leaves min_lr=None in each group, and the
+        group["max_lr"], group["min_lr"] = optim.lr, min_lr  # scheduler prefers a group's values to its own
     return OptimizerParamScheduler(
-        optimizer, init_lr=optim.lr_warmup_init, max_lr=optim.lr,
-        min_lr=optim.min_lr if optim.lr_decay_style != "constant" else optim.lr,
+        optimizer, init_lr=optim.lr_warmup_init, max_lr=optim.lr, min_lr=min_lr,
         lr_warmup_steps=warmup, lr_decay_steps=decay_steps, lr_decay_style=optim.lr_decay_style,
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank when it is True on any rank of this model's replicas (model-parallel x data-parallel),
+    so that all ranks skip or step together. (Megatron's grad norm is already global; the loss lives only on the
+    last pipeline stage, and a rank's decision must never differ from its peers'.)"""
+    if not dist.is_initialized():
+        return flag
+    from megatron.core import parallel_state
+
+    t = torch.tensor([float(flag)], device=default_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return bool(t.item() > 0)
+
+
+def _clip_grads(optimizer, grad_norm: float) -> None:
+    """Clip by the global norm already computed, as MegatronOptimizer.step / ChainedOptimizer.step do."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
+            continue
+        params = opt.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)

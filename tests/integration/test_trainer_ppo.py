@@ -122,12 +122,41 @@ def test_target_kl_guard_skips_the_update_after_a_large_step(data_dir, tmp_path)
     ("rollout.mode=offline rollout.trajectory_files=[t.parquet]", "rollout.mode=offline"),
     ("actor.use_dynamic_bsz=true", "actor.use_dynamic_bsz"),
     ("trainer.save_freq=5", "trainer.save_freq > 0 (checkpointing)"),
+    ("data.reward_fn_key=src", "data.reward_fn_key (rewards are chosen by data_source)"),
+    ("actor.optim.optimizer=sgd", "actor.optim.optimizer=sgd (Adam only)"),
+    ("critic.optim.optimizer=sgd", "critic.optim.optimizer=sgd (Adam only)"),
+    ("actor.entropy_from_logits_chunk_size=512",
+     "actor.entropy_from_logits_chunk_size (log-probs and entropy use models.logprobs.DEFAULT_CHUNK)"),
+    ("critic.model.tokenizer_path=other/",
+     "critic.model.tokenizer_path / ref.model.tokenizer_path (all roles use the actor's tokenizer)"),
+    ("algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.bypass_mode"),
+    ("trainer.log_val_generations=4", "trainer.log_val_generations > 0"),
+    ("trainer.max_critic_ckpt_to_keep=2", "trainer.max_actor_ckpt_to_keep / max_critic_ckpt_to_keep (checkpointing)"),
 ])
 def test_train_refuses_what_it_would_otherwise_ignore(override, name):
     from megatron_ppo.trainer.entry import main
 
     with pytest.raises(SystemExit, match=re.escape(repr(name))):
         main(override.split())
+
+
+def test_train_refuses_cluster_device_cuda_without_cuda(monkeypatch):
+    """Checked where training starts (a config for a GPU cluster still loads on a CPU machine)."""
+    from megatron_ppo.trainer.entry import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine, as a CPU-only one
+    assert load_config("tiny_cpu", ["cluster.device=cuda"]).cluster.device == "cuda"
+    with pytest.raises(SystemExit, match=re.escape("cluster.device=cuda, but torch.cuda.is_available() is false")):
+        main(["cluster.device=cuda"])
+
+
+def test_cluster_device_cpu_on_a_cuda_machine_is_a_warning(caplog):
+    from megatron_ppo.trainer.entry import check_device
+
+    with caplog.at_level("WARNING", logger="megatron_ppo.trainer.entry"):
+        check_device(load_config("tiny_cpu"), cuda_available=True)
+        check_device(load_config("tiny_cpu", ["cluster.device=auto"]), cuda_available=True)
+    assert caplog.text.count("cluster.device=cpu, but this machine has CUDA") == 1
 
 
 @pytest.mark.slow
@@ -227,3 +256,95 @@ def test_grpo_step_groups_the_n_responses_of_each_prompt(data_dir, tmp_path):
     seq_adv = masked_mean(batch.tensors["advantages"], batch.response_mask, axis=-1).reshape(4, 4)
     assert torch.allclose(seq_adv.mean(dim=1), torch.zeros(4), atol=1e-5)
     assert metrics["actor/updates_skipped"] == 0 and "actor/pg_loss" in metrics
+
+
+# ---------------------------------------------------------------------------------------------- non-finite steps
+
+def _reward_file(tmp: Path, expression: str) -> Path:
+    path = tmp / "reward.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    f"    return {expression}\n")
+    return path
+
+
+def _run_until_error(cfg, steps):
+    """Build the parts, snapshot every role's weights, run fit(steps); return (parts, snapshots, error, records)."""
+    from megatron_ppo import parallel
+    from megatron_ppo.parallel.platform import disable_cpu_platform
+    from megatron_ppo.trainer.components import build_components
+    from megatron_ppo.trainer.ppo import NonFiniteTrainingError, PPOTrainer
+
+    parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
+    try:
+        parts = build_components(cfg)
+        before = {role: _params(getattr(parts, role)) for role in ("actor", "critic") if getattr(parts, role)}
+        with pytest.raises(NonFiniteTrainingError) as info:
+            PPOTrainer(cfg, parts).fit(steps)
+        parts.tracker.close()
+    finally:
+        parallel.destroy()
+        disable_cpu_platform()
+    records = [json.loads(line) for line in (Path(cfg.trainer.log_dir) / "metrics.jsonl").read_text().splitlines()]
+    return parts, before, str(info.value), records
+
+
+def test_a_huge_finite_reward_skips_every_critic_update_and_stops_the_run(data_dir, tmp_path, caplog):
+    """The issue's run: a reward of 1e30 (finite, so the reward check passes) makes the critic's value loss inf.
+    No such update may reach the critic's weights (bit-identical), each is counted, and after
+    trainer.max_consecutive_skips steps the run stops with an error naming the role, the step and the values."""
+    overrides = _overrides(data_dir, tmp_path, **{
+        "reward.custom_reward_function.path": str(_reward_file(tmp_path, "1e30")),
+        "trainer.total_training_steps": 3, "trainer.max_consecutive_skips": 2})
+    with caplog.at_level("WARNING", logger="megatron_ppo.rewards.batch"):
+        parts, before, error, records = _run_until_error(load_config("tiny_cpu", overrides), 3)
+    assert not _changed(before["critic"], parts.critic)
+    assert _changed(before["actor"], parts.actor)  # whitened advantages stay finite: the actor still trains
+    assert len(records) == 2  # stopped after step 2 of 3, with both steps' metrics logged
+    for m in records:
+        assert float(m["critic/vf_loss"]) == float("inf")  # the jsonl writes non-finite values as strings
+        assert m["critic/updates_skipped"] == m["critic/updates_skipped_nonfinite"] == 2  # both mini-batches
+        assert m["actor/updates_skipped"] == 0 and m["actor/grad_norm"] > 0
+        assert m["reward/score/num_large"] == 4
+    for text in ("critic: 2 consecutive steps (the last: step 2)", "non-finite", "loss [inf, inf]",
+                 "trainer.max_consecutive_skips=2", "[1e+30, 1e+30]"):
+        assert text in error, error
+    assert "observed range [1e+30, 1e+30]" in caplog.text
+
+
+def test_a_nonfinite_actor_gradient_norm_is_skipped_and_the_actor_stays_bit_identical(data_dir, tmp_path):
+    """A real path to a non-finite actor update, no test hook: GRPO without std normalisation passes reward
+    differences of ~1e31 through as advantages; the policy-gradient norm then overflows fp32 (inf)."""
+    overrides = _overrides(data_dir, tmp_path, **{
+        "reward.custom_reward_function.path": str(_reward_file(tmp_path, "1e30 * len(solution_str)")),
+        "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": "false", "rollout.n": 2,
+        "trainer.total_training_steps": 3, "trainer.max_consecutive_skips": 1})
+    parts, before, error, records = _run_until_error(load_config("tiny_cpu", overrides), 3)
+    assert parts.critic is None and not _changed(before["actor"], parts.actor)
+    assert len(records) == 1
+    assert records[0]["actor/updates_skipped_nonfinite"] == records[0]["actor/updates_skipped"] == 2
+    assert records[0]["actor/grad_norm"] == "nan"  # no update was applied (the jsonl writes nan as a string)
+    assert "actor: 1 consecutive steps (the last: step 1)" in error and "grad_norm [inf" in error, error
+
+
+def test_max_consecutive_skips_counts_only_consecutive_steps(data_dir, tmp_path):
+    """-1: never stop; the skipped updates are still skipped and counted every step."""
+    from megatron_ppo import parallel
+    from megatron_ppo.parallel.platform import disable_cpu_platform
+    from megatron_ppo.trainer.components import build_components
+    from megatron_ppo.trainer.ppo import PPOTrainer
+
+    overrides = _overrides(data_dir, tmp_path, **{
+        "reward.custom_reward_function.path": str(_reward_file(tmp_path, "1e30")),
+        "trainer.total_training_steps": 2, "trainer.max_consecutive_skips": -1})
+    cfg = load_config("tiny_cpu", overrides)
+    parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
+    try:
+        parts = build_components(cfg)
+        critic0 = _params(parts.critic)
+        history = PPOTrainer(cfg, parts).fit(2)
+        parts.tracker.close()
+    finally:
+        parallel.destroy()
+        disable_cpu_platform()
+    assert [m["critic/updates_skipped_nonfinite"] for m in history] == [2, 2]
+    assert not _changed(critic0, parts.critic)

@@ -508,6 +508,9 @@ RULES = [
     ("repetition_ngram_positive", "tiny_cpu", ["reward.repetition_ngram_size=0"], ["reward.repetition_ngram_size: must be > 0"]),
     ("custom_reward_name_empty", "tiny_cpu", ["reward.custom_reward_function.name=''"],
      ["reward.custom_reward_function.name: must be a function name"]),
+    ("custom_reward_name_without_path", "tiny_cpu", ["reward.custom_reward_function.name=my_reward"],
+     ["reward.custom_reward_function.name: only used with reward.custom_reward_function.path (it is null)",
+      "'my_reward'"]),
     # trainer
     ("total_epochs_positive", "tiny_cpu", ["trainer.total_epochs=0"], ["trainer.total_epochs: must be > 0"]),
     ("total_training_steps_positive", "tiny_cpu", ["trainer.total_training_steps=0"],
@@ -515,6 +518,10 @@ RULES = [
     ("critic_warmup_negative", "tiny_cpu", ["trainer.critic_warmup=-1"], ["trainer.critic_warmup: must be >= 0"]),
     ("save_freq", "tiny_cpu", ["trainer.save_freq=0"], ["trainer.save_freq: must be -1 (only at the end) or >= 1"]),
     ("test_freq", "tiny_cpu", ["trainer.test_freq=-2"], ["trainer.test_freq: must be -1 (off) or >= 1"]),
+    ("test_freq_without_val_files", "tiny_cpu", ["data.val_files=[]"],
+     ["trainer.test_freq: validates every 4 steps but data.val_files is empty"]),
+    ("max_consecutive_skips", "tiny_cpu", ["trainer.max_consecutive_skips=0"],
+     ["trainer.max_consecutive_skips: must be -1 (never stop) or >= 1, got 0"]),
     ("log_val_generations_negative", "tiny_cpu", ["trainer.log_val_generations=-1"],
      ["trainer.log_val_generations: must be >= 0"]),
     ("logger_duplicates", "tiny_cpu", ["trainer.logger=[console, jsonl, console]"], ["trainer.logger: lists ['console']"]),
@@ -595,3 +602,23 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
     path.write_text("- actor\n")
     with pytest.raises(ConfigError, match="<root>: expected a mapping"):
         load_config(path)
+
+
+def test_val_before_train_without_val_files_is_a_warning_naming_both_keys(caplog):
+    with caplog.at_level("WARNING", logger="megatron_ppo.config_checks"):
+        load_config("tiny_cpu", ["data.val_files=[]", "trainer.test_freq=-1", "trainer.val_before_train=true"])
+    assert "trainer.val_before_train=true does nothing: data.val_files is empty" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megatron_ppo.config_checks"):
+        for name in ("tiny_cpu", "gsm8k_ppo"):
+            load_config(name)
+        load_config("tiny_cpu", ["data.val_files=[]", "trainer.test_freq=-1"])  # tiny_cpu: val_before_train false
+    assert "val_before_train" not in caplog.text
+
+
+def test_custom_reward_name_with_its_path_is_accepted(tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text("def my_reward(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    cfg = load_config("tiny_cpu", [f"reward.custom_reward_function.path={path}",
+                                   "reward.custom_reward_function.name=my_reward"])
+    assert cfg.reward.custom_reward_function.name == "my_reward"

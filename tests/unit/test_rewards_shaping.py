@@ -56,7 +56,7 @@ def test_compute_rewards_terms_and_metrics():
     assert out.metrics["reward/task/mean"] == pytest.approx(0.7)
     assert out.metrics["reward/score/min"] == pytest.approx(-0.4)
     assert set(out.metrics) == {f"reward/{t}/{s}" for t in ("task", "length_penalty", "repetition_penalty", "score")
-                                for s in ("mean", "min", "max")}
+                                for s in ("mean", "min", "max")} | {"reward/score/num_large"}
 
 
 def test_per_row_errors_name_the_row():

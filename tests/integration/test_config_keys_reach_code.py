@@ -1,0 +1,198 @@
+"""Every config key reaches the code it names, or is refused by name: the proof that a key like
+cluster.actor.use_distributed_optimizer (defaulted, documented, and once read by nothing) cannot come back.
+
+Dynamic: attribute reads on the loaded config's dataclasses are recorded while `megatron-ppo train` (entry.main,
+in-process) runs two tiny configurations that between them take every branch the driver has; reads made by the
+config machinery itself (validation, YAML dump) do not count. What the runs cannot read is listed below, each with
+its reason: keys behind a refused switch (the switch is checked to be refused), keys documented as having no effect
+on one rank, and keys read only on a path the tiny runs do not take (the reading line is checked to exist).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ppo import config as C
+from megatron_ppo.config_io import reference_rows
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_trainer_ppo import VOWEL_REWARD, _overrides, data_dir  # noqa: E402,F401  (helpers and fixture reused)
+
+REPO = Path(__file__).resolve().parents[2]
+ARCH = "{num_layers: 2, hidden_size: 64, ffn_hidden_size: 256, num_attention_heads: 4, num_query_groups: 2, " \
+       "max_position_embeddings: 512}"
+
+# key prefix -> (the switch that the entry point refuses by name, overrides that turn it on)
+BEHIND_A_REFUSED_SWITCH = {
+    "actor.ppo_max_token_len_per_gpu": ("actor.use_dynamic_bsz", ["actor.use_dynamic_bsz=true"]),
+    "critic.ppo_max_token_len_per_gpu": ("critic.use_dynamic_bsz", ["critic.use_dynamic_bsz=true"]),
+    "ref.log_prob_max_token_len_per_gpu": ("ref.log_prob_use_dynamic_bsz", ["ref.log_prob_use_dynamic_bsz=true"]),
+    "rollout.log_prob_max_token_len_per_gpu": ("rollout.log_prob_use_dynamic_bsz",
+                                               ["rollout.log_prob_use_dynamic_bsz=true"]),
+    "rollout.trajectory_files": ("rollout.mode=offline", ["rollout.mode=offline", "rollout.trajectory_files=[t]"]),
+    "trainer.resume_from_path": ("trainer.resume_mode=resume_path",
+                                 ["trainer.resume_mode=resume_path", "trainer.resume_from_path=c"]),
+    **{key: ("reward.reward_model.enable", ["reward.reward_model.enable=true", f"reward.reward_model.model.arch={ARCH}"])
+       for key in ("reward.reward_model.model.", "reward.reward_model.micro_batch_size_per_gpu")},
+    "cluster.reward.use_distributed_optimizer": ("reward.reward_model.enable", [
+        "reward.reward_model.enable=true", f"reward.reward_model.model.arch={ARCH}"]),
+    # sequence parallelism needs TP > 1 (a validation rule), and TP > 1 is the multi-rank driver's
+    **{f"cluster.{r}.sequence_parallel": ("cluster (multi-rank)", ["cluster.n_gpus_per_node=2"])
+       for r in ("actor", "critic", "ref", "reward")},
+}
+# keys that cannot have an effect in the in-process driver; docs/config.md lists each with the reason
+NO_EFFECT_ON_ONE_RANK = ("trainer.balance_batch", "cluster.ref.use_distributed_optimizer",
+                         "actor.entropy_from_logits_with_chunking")
+# key -> (file, text of the line that reads it): read on a path the tiny runs do not take (an HF model directory)
+READ_ON_ANOTHER_PATH = {
+    "trainer.default_local_dir": ("megatron_ppo/trainer/components.py", "cfg.trainer.default_local_dir"),
+    "trainer.overwrite": ("megatron_ppo/trainer/tracking.py", "t.overwrite"),  # read only when records exist
+}
+
+COMMON = {"trainer.total_training_steps": 1, "trainer.test_freq": 1, "trainer.val_before_train": "true",
+          "rollout.val_kwargs.do_sample": "true", "rollout.val_kwargs.temperature": 0.7, "rollout.val_kwargs.n": 2, "data.val_max_samples": 2}
+RUNS = {
+    "gae": {"critic.model.arch": ARCH, "ref.model.arch": ARCH, "ref.log_prob_micro_batch_size_per_gpu": 2,
+            "actor.model.recompute_granularity": "full", "actor.model.recompute_method": "uniform",
+            "actor.model.recompute_num_layers": 1, "critic.model.recompute_granularity": "full",
+            "critic.model.recompute_method": "block", "critic.model.recompute_num_layers": 1,
+            "ref.model.recompute_granularity": "full", "ref.model.recompute_method": "uniform",
+            "ref.model.recompute_num_layers": 2,
+            "actor.optim.lr_decay_style": "cosine", "critic.optim.lr_decay_style": "linear",
+            "reward.repetition_penalty_coef": 0.1, "reward.length_penalty_coef": 0.1,
+            "algorithm.use_kl_in_reward": "true", "algorithm.kl_guard.enable": "true",
+            "algorithm.kl_guard.target_kl": 10.0, "algorithm.rollout_correction.rollout_is": "token",
+            "algorithm.rollout_correction.rollout_is_batch_normalize": "true",
+            "algorithm.rollout_correction.rollout_rs": "token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold": 2.0},
+    "grpo": {"algorithm.adv_estimator": "grpo", "actor.model.recompute_granularity": "selective", "rollout.n": 2, "algorithm.norm_adv_by_std_in_grpo": "false",
+             "reward.custom_reward_function.path": str(VOWEL_REWARD),
+             "reward.custom_reward_function.name": "compute_score",
+             "trainer.total_training_steps": "null", "data.train_max_samples": 4},  # total_epochs x 1 step
+}
+
+
+def _all_keys() -> list[str]:
+    return [row[0] for row in reference_rows(C.PPOConfig, C.VERL_SECTIONS, C.VERL_KEYS)]
+
+
+def _config_classes(cls=C.PPOConfig) -> set[type]:
+    from megatron_ppo.config_io import _hints, _unwrap_optional
+
+    out = {cls}
+    for f in dataclasses.fields(cls):
+        inner = _unwrap_optional(_hints(cls)[f.name])
+        if dataclasses.is_dataclass(inner):
+            out |= _config_classes(inner)
+    return out
+
+
+class ReadRecorder:
+    """Records 'dotted.key' for each field read on the registered config tree, except reads by dataclass-generated
+    methods (__eq__, __repr__) and by the config machinery (config_io: to_dict/YAML; config_checks: validation)."""
+
+    MACHINERY = ("config_io.py", "config_checks.py")
+
+    def __init__(self, monkeypatch):
+        self.paths: dict[int, str] = {}
+        self.reads: set[str] = set()
+        for cls in _config_classes():
+            monkeypatch.setattr(cls, "__getattribute__", self._getter({f.name for f in dataclasses.fields(cls)}),
+                                raising=False)
+
+    def register(self, cfg, prefix: str = "") -> None:
+        self.paths[id(cfg)] = prefix
+        for f in dataclasses.fields(cfg):
+            value = object.__getattribute__(cfg, f.name)
+            if dataclasses.is_dataclass(value):
+                self.register(value, f"{prefix}{f.name}.")
+
+    def _getter(self, names):
+        recorder = self
+
+        def __getattribute__(obj, name):
+            if name in names and id(obj) in recorder.paths and recorder._by_product_code(sys._getframe(1)):
+                recorder.reads.add(recorder.paths[id(obj)] + name)
+            return object.__getattribute__(obj, name)
+        return __getattribute__
+
+    def _by_product_code(self, frame) -> bool:
+        if frame.f_code.co_filename == "<string>":  # dataclass-generated __init__/__eq__/__repr__
+            return False
+        while frame is not None and frame.f_code.co_filename.endswith("dataclasses.py"):  # asdict: who asked?
+            frame = frame.f_back
+        return frame is None or not frame.f_code.co_filename.endswith(self.MACHINERY)
+
+
+def _run_main(overrides: list[str], recorder: ReadRecorder, monkeypatch) -> None:
+    from megatron_ppo.parallel.platform import disable_cpu_platform
+    from megatron_ppo.trainer import entry
+
+    def load_and_register(*args, **kwargs):
+        cfg = C.load_config(*args, **kwargs)
+        recorder.register(cfg)
+        return cfg
+
+    monkeypatch.setattr(entry, "load_config", load_and_register)
+    try:
+        assert entry.main(overrides) == 0
+    finally:
+        disable_cpu_platform()
+
+
+@pytest.mark.slow  # two tiny `megatron-ppo train` runs: ~25 s on 2 cores
+def test_every_config_key_is_read_by_the_product_or_refused_by_name(data_dir, tmp_path, monkeypatch):
+    from megatron_ppo.trainer.entry import unsupported_settings
+
+    recorder = ReadRecorder(monkeypatch)
+    for name, extra in RUNS.items():
+        run_dir = tmp_path / name
+        _run_main(_overrides(data_dir, run_dir, **{**COMMON, **extra}), recorder, monkeypatch)
+        assert (run_dir / "logs" / "metrics.jsonl").read_text().count("\n") >= 1, name
+
+    def listed(key):
+        return (any(key.startswith(p) for p in BEHIND_A_REFUSED_SWITCH) or key in NO_EFFECT_ON_ONE_RANK
+                or key in READ_ON_ANOTHER_PATH)
+
+    never_read = [key for key in _all_keys() if key not in recorder.reads and not listed(key)]
+    assert never_read == [], f"config keys that no code reads and that nothing refuses: {never_read}"
+    stale = [key for key in _all_keys() if key in recorder.reads and listed(key)]
+    assert stale == [], f"keys listed as unread that the runs did read (drop them from the lists): {stale}"
+
+    for prefix, (switch, on) in BEHIND_A_REFUSED_SWITCH.items():
+        assert switch in unsupported_settings(C.load_config("tiny_cpu", on)), (prefix, switch)
+    docs = (REPO / "docs" / "config.md").read_text()
+    section = docs[docs.index("### Keys without effect on one rank"):]
+    for key in NO_EFFECT_ON_ONE_RANK:
+        assert f"`{key}`" in section, key
+    for key, (path, text) in READ_ON_ANOTHER_PATH.items():
+        assert text in (REPO / path).read_text(), (key, path)
+
+
+def test_use_distributed_optimizer_reaches_megatrons_optimizer(data_dir, tmp_path):
+    """cluster.<role>.use_distributed_optimizer picks Megatron's DistributedOptimizer for that role (it used to be
+    read by nothing: every worker was built with use_distributed_optimizer=False)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_ppo import parallel
+    from megatron_ppo.parallel.platform import disable_cpu_platform
+    from megatron_ppo.trainer.components import build_components
+
+    def inner(worker):
+        return getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
+
+    cfg = C.load_config("tiny_cpu", _overrides(data_dir, tmp_path, **{
+        "cluster.actor.use_distributed_optimizer": "true", "cluster.critic.use_distributed_optimizer": "false"}))
+    parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
+    try:
+        parts = build_components(cfg)
+        parts.tracker.close()
+    finally:
+        parallel.destroy()
+        disable_cpu_platform()
+    assert all(isinstance(o, DistributedOptimizer) for o in inner(parts.actor))
+    assert not any(isinstance(o, DistributedOptimizer) for o in inner(parts.critic))
+    assert parts.actor.ddp.ddp_config.use_distributed_optimizer and not parts.critic.ddp.ddp_config.use_distributed_optimizer
