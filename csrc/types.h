@@ -16,6 +16,27 @@ enum mppo_dtype : int32_t {
   MPPO_BOOL = 3,  // one byte, 0 or 1 (torch.bool / uint8 masks)
 };
 
+// A 0/1 mask of any torch dtype (bool, uint8, int8/16/32/64, float16, bfloat16, float32, float64), read as raw bits
+// so that one code path validates every dtype in the same pass that uses it:
+//   nonzero (the position is valid): bits & magnitude != 0   (magnitude = all bits but a float's sign: -0.0 is 0)
+//   a 0/1 value:                     nonzero bits == one, or zero   (NaN, 2, -1, 0.5 are not)
+struct mppo_mask {
+  const void* data;
+  int32_t bytes;       // 1, 2, 4 or 8 (element size)
+  uint64_t magnitude;  // bits that make the value nonzero
+  uint64_t one;        // the bit pattern of 1 in this dtype
+};
+
+// Raw bits of element i, for a mask of ``Bits``-sized elements (uint8_t .. uint64_t).
+template <typename Bits>
+MPPO_HD uint64_t mppo_mask_bits(const mppo_mask& m, int64_t i) {
+  return static_cast<const Bits*>(m.data)[i];
+}
+MPPO_HD bool mppo_mask_valid(const mppo_mask& m, uint64_t bits) { return (bits & m.magnitude) != 0; }
+MPPO_HD bool mppo_mask_not01(const mppo_mask& m, uint64_t bits) {
+  return (bits & m.magnitude) != 0 && bits != m.one;
+}
+
 // bfloat16 <-> float without any library type: bf16 is the top half of an IEEE float32.
 MPPO_HD float mppo_bf16_to_float(uint16_t bits) {
   union { uint32_t u; float f; } v;

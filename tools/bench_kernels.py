@@ -4,8 +4,10 @@ optionally writes it (--out). Every ratio is measured side by side in one run: m
 round and the median per method is reported.
 
   GAE [B, T]: verl 0.9.1's compute_gae_advantage_return (Python loop over T, + whitening), algo's torch loop
-              (the ops reference), ops.gae on the kernel; on CUDA also the raw kernel per algorithm (serial/scan)
-              against the memory-bandwidth floor (bytes in + out over a measured device copy bandwidth).
+              (the ops reference), the kernel called directly, and ops.gae (the front door, with its value checks)
+              with a float32 mask (what the trainer passes) and a bool mask; on CUDA also the raw kernel per
+              algorithm (serial/scan) against the memory-bandwidth floor (bytes in + out over a measured device
+              copy bandwidth).
   log-prob + entropy [N, V]: naive log_softmax + gather + entropy (float32 [N, V] intermediates), chunked torch
               (the ops reference), verl's chunked functions, the fused kernel (+ in-place backward); time and peak
               extra memory for forward only (old/ref log-probs) and forward + backward (training). CPU peaks
@@ -13,6 +15,7 @@ round and the median per method is reported.
               high-water mark is that of live tensors.
 
 Usage: python tools/bench_kernels.py [--device cpu|cuda|all] [--out docs/bench/kernels.md] [--append]
+                                    [--skip-logprob]
 """
 from __future__ import annotations
 
@@ -145,28 +148,36 @@ def verl_available() -> bool:
 
 
 def bench_gae(device: torch.device, batch: int, length: int, reps: int) -> list[str]:
+    """Python loops against the kernel: raw (no Python checks) and through the front door ``ops.gae`` with the mask
+    dtype the trainer passes (float32 ``response_mask``) and with a bool mask, all in one interleaved run."""
     rewards, values, mask = gae_inputs(batch, length, device)
     mask_f = mask.float()
     gamma, lam = 1.0, 0.95
+    kernels = _backend.extension(device.type)
 
-    def ops_gae_checked():
-        with ops_mode("kernels"):
-            return ops.gae(rewards, values, mask, gamma, lam)
+    def front_door(m, checked=True):
+        def run():
+            with ops_mode("kernels"), value_checks(checked):
+                return ops.gae(rewards, values, m, gamma, lam)
+        return run
 
-    def ops_gae_unchecked():
-        with ops_mode("kernels"), value_checks(False):
-            return ops.gae(rewards, values, mask, gamma, lam)
+    def kernel_direct():
+        if device.type == "cuda":
+            return kernels.gae(rewards, values, mask, gamma, lam, torch.float32, 0)
+        return kernels.gae(rewards, values, mask, gamma, lam, torch.float32)
 
     methods = {}
     if verl_available():
         from verl.trainer.ppo.core_algos import compute_gae_advantage_return as verl_gae
 
-        methods["verl `compute_gae_advantage_return` (loop over T, + whitening)"] = lambda: verl_gae(
+        methods["verl `compute_gae_advantage_return` (loop over T, + whitening; float mask)"] = lambda: verl_gae(
             rewards, values, mask_f, gamma, lam)
-    methods["algo `compute_gae_advantage_return` (torch loop over T; ops reference)"] = lambda: algo_gae(
-        rewards, values, mask, gamma, lam)
-    methods["`ops.gae`, kernel (value checks on)"] = ops_gae_checked
-    methods["`ops.gae`, kernel (value checks off)"] = ops_gae_unchecked
+    loop = "algo `compute_gae_advantage_return` (torch loop over T; ops reference; float mask)"
+    methods[loop] = lambda: algo_gae(rewards, values, mask_f, gamma, lam)
+    methods["`kernels.gae` direct (bool mask, no Python checks, counts not read)"] = kernel_direct
+    methods["`ops.gae`, **float32 mask** (the trainer's `response_mask`), value checks on"] = front_door(mask_f)
+    methods["`ops.gae`, bool mask, value checks on"] = front_door(mask)
+    methods["`ops.gae`, float32 mask, value checks off"] = front_door(mask_f, checked=False)
     times = interleaved_times(methods, device, reps)
     kernel_times: dict[str, float] = {}
     floor_line = ""
@@ -176,13 +187,16 @@ def bench_gae(device: torch.device, batch: int, length: int, reps: int) -> list[
     threads = torch.get_num_threads()
     where = (f"CPU, {threads} threads" if device.type == "cpu" else torch.cuda.get_device_name(device))
     lines = [
-        f"### GAE, B={batch}, T={length}, float32 rewards/values, ragged bool mask ({where})",
+        f"### GAE, B={batch}, T={length}, float32 rewards/values, ragged mask ({where})",
         "",
-        f"| method | time (ms) | speed-up vs {'verl' if verl_available() else 'the torch loop (verl not installed)'} |",
-        "| --- | ---: | ---: |",
+        "The mask dtype of each row is named: the trainer passes a float32 `response_mask`.",
+        "",
+        f"| method | time (ms) | speed-up vs {'verl' if verl_available() else 'the torch loop (verl not installed)'} "
+        "| speed-up vs the torch loop |",
+        "| --- | ---: | ---: | ---: |",
     ]
     for name, t in {**times, **kernel_times}.items():
-        lines.append(f"| {name} | {fmt_ms(t)} | {base / t:.1f}x |")
+        lines.append(f"| {name} | {fmt_ms(t)} | {base / t:.1f}x | {times[loop] / t:.1f}x |")
     if floor_line:
         lines += ["", floor_line]
     return lines + [""]
@@ -416,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--skip", action="append", default=[], help="skip log-prob methods whose name contains this")
+    parser.add_argument("--skip-logprob", action="store_true", help="GAE only")
     parser.add_argument("--out", type=Path, help="write (or with --append, append) the markdown here")
     parser.add_argument("--append", action="store_true")
     parser.add_argument("--_peaks-json", action="store_true", help=argparse.SUPPRESS)  # child of the CPU run
@@ -446,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     for device in devices:
         print(f"[bench_kernels] GAE on {device} ...", file=sys.stderr, flush=True)
         lines += bench_gae(device, args.gae_batch, args.gae_length, args.reps)
+        if args.skip_logprob:
+            continue
         rows = args.rows_cpu if device.type == "cpu" else args.rows_cuda
         print(f"[bench_kernels] log-prob + entropy on {device} (N={rows}) ...", file=sys.stderr, flush=True)
         lines += bench_logprob(device, rows, args.vocab, dtype, args.reps, tuple(args.skip))

@@ -29,7 +29,25 @@ inline void check_gae_shapes(const at::Tensor& rewards, const at::Tensor& values
   TORCH_CHECK(rewards.dim() == 2, "token_level_rewards must be [B, T], got ", rewards.sizes());
   TORCH_CHECK(values.sizes() == rewards.sizes() && mask.sizes() == rewards.sizes(),
               "values and response_mask must have token_level_rewards' shape ", rewards.sizes());
-  TORCH_CHECK(mask.scalar_type() == at::kBool, "response_mask must be bool here");
+}
+
+// A contiguous 0/1 mask of any bool, integer or floating dtype -> the kernels' raw-bits view of it (types.h).
+inline mppo_mask mask_view(const at::Tensor& m, const char* name) {
+  TORCH_CHECK(m.is_contiguous(), name, " must be contiguous here");
+  switch (m.scalar_type()) {
+    case at::kBool:
+    case at::kByte:
+    case at::kChar: return {m.data_ptr(), 1, 0xffu, 1u};
+    case at::kShort: return {m.data_ptr(), 2, 0xffffu, 1u};
+    case at::kInt: return {m.data_ptr(), 4, 0xffffffffu, 1u};
+    case at::kLong: return {m.data_ptr(), 8, ~uint64_t{0}, 1u};
+    case at::kHalf: return {m.data_ptr(), 2, 0x7fffu, 0x3c00u};
+    case at::kBFloat16: return {m.data_ptr(), 2, 0x7fffu, 0x3f80u};
+    case at::kFloat: return {m.data_ptr(), 4, 0x7fffffffu, 0x3f800000u};
+    case at::kDouble: return {m.data_ptr(), 8, 0x7fffffffffffffffull, 0x3ff0000000000000ull};
+    default: TORCH_CHECK(false, name, " must be a bool, integer or floating 0/1 mask, got ", m.scalar_type());
+  }
+  return {};
 }
 
 // logits [N, V_local] (V_local > 0, contiguous in the vocabulary dim) and target_ids [N] int64 -> the kernels'

@@ -29,14 +29,14 @@ std::vector<at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
   const auto rt = float_code(r, "token_level_rewards");
   const auto vt = float_code(v, "values");
   const auto ot = float_code(adv, "output dtype");
-  auto nonfinite = at::zeros({2}, rewards.options().dtype(at::kLong));
+  const mppo_mask mv = mppo_bind::mask_view(m, "response_mask");
+  auto counts = at::zeros({3}, rewards.options().dtype(at::kLong));
   {
     pybind11::gil_scoped_release no_gil;
-    mppo_cpu::gae(r.data_ptr(), rt, v.data_ptr(), vt, reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()),
-                  adv.data_ptr(), ret.data_ptr(), ot, r.size(0), r.size(1), gamma, lam,
-                  nonfinite.data_ptr<int64_t>());
+    mppo_cpu::gae(r.data_ptr(), rt, v.data_ptr(), vt, mv, adv.data_ptr(), ret.data_ptr(), ot, r.size(0), r.size(1),
+                  gamma, lam, counts.data_ptr<int64_t>());
   }
-  return {adv, ret, nonfinite};
+  return {adv, ret, counts};
 }
 
 mppo_logits describe(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
@@ -78,7 +78,8 @@ at::Tensor lse_backward(const at::Tensor& logits, const at::Tensor& target, int6
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron_ppo CPU kernels: GAE and fused log-prob/entropy (OpenMP)";
   m.def("gae", &gae,
-        "(advantages, returns, [NaN/inf rewards, NaN/inf values] at valid positions); un-whitened, 0 where masked");
+        "(advantages, returns, [NaN/inf rewards, NaN/inf values at valid positions, mask entries not 0/1]); "
+        "un-whitened, 0 where masked; the mask may be bool, integer or floating");
   m.def("lse_partials", &lse_partials, "per-row [4, N] (max, sum-exp, sum exp*shifted logit, target logit)",
         pybind11::arg("logits"), pybind11::arg("target"), pybind11::arg("vocab_start"),
         pybind11::arg("inv_temperature"));

@@ -8,13 +8,14 @@
 namespace mppo_cpu {
 
 // GAE over [B, T] (verl's reverse recursion, masked steps skipped, outputs zero at masked positions).
-// rewards/values: F32, F64 or BF16; mask: BOOL; out (advantages, returns): F32, F64 or BF16.
-// Accumulates in double: the loop is bound by memory traffic (~17 bytes a step), so double costs nothing here.
-// nonfinite[0], nonfinite[1] receive the number of NaN/inf rewards and values at valid positions (the input
-// check, fused into the one pass the kernel makes anyway).
+// rewards/values: F32, F64 or BF16; mask: any dtype as mppo_mask (nonzero = valid); out (advantages, returns):
+// F32, F64 or BF16. Accumulates in double: the loop is bound by memory traffic (~17 bytes a step), so double
+// costs nothing here. The input checks are fused into the one pass the kernel makes anyway: counts[0], counts[1]
+// receive the number of NaN/inf rewards and values at valid positions, counts[2] the number of mask entries that
+// are not 0 or 1 (the outputs are meaningless when it is > 0: the caller raises).
 void gae(const void* rewards, mppo_dtype rewards_dtype, const void* values, mppo_dtype values_dtype,
-         const uint8_t* mask, void* advantages, void* returns, mppo_dtype out_dtype, int64_t batch,
-         int64_t length, double gamma, double lam, int64_t* nonfinite);
+         const mppo_mask& mask, void* advantages, void* returns, mppo_dtype out_dtype, int64_t batch,
+         int64_t length, double gamma, double lam, int64_t* counts);
 
 // Per-row partial statistics of the logits block (x below is logits * inv_temperature), local to this vocabulary
 // shard, written as out[4, N] (F64 for F64 logits, else F32):

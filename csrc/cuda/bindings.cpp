@@ -35,14 +35,14 @@ std::vector<at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
   auto opts = rewards.options().dtype(out_dtype);
   auto adv = at::empty(rewards.sizes(), opts);
   auto ret = at::empty(rewards.sizes(), opts);
-  auto nonfinite = at::zeros({2}, rewards.options().dtype(at::kLong));
+  auto counts = at::zeros({3}, rewards.options().dtype(at::kLong));
   check_launch(mppo_cuda_gae(r.data_ptr(), float_code(r, "token_level_rewards"), v.data_ptr(), float_code(v, "values"),
-                             reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()), adv.data_ptr(), ret.data_ptr(),
+                             mppo_bind::mask_view(m, "response_mask"), adv.data_ptr(), ret.data_ptr(),
                              float_code(adv, "output dtype"), r.size(0), r.size(1), gamma, lam,
-                             static_cast<mppo_gae_algo>(algo), nonfinite.data_ptr<int64_t>(),
+                             static_cast<mppo_gae_algo>(algo), counts.data_ptr<int64_t>(),
                              c10::cuda::getCurrentCUDAStream()),
                "gae");
-  return {adv, ret, nonfinite};
+  return {adv, ret, counts};
 }
 
 mppo_logits describe(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
@@ -94,7 +94,8 @@ at::Tensor lse_backward(const at::Tensor& logits, const at::Tensor& target, int6
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron_ppo CUDA kernels: GAE and fused log-prob/entropy";
   m.def("gae", &gae,
-        "(advantages, returns, [NaN/inf rewards, NaN/inf values] at valid positions); algo 0 auto, 1 serial, 2 scan");
+        "(advantages, returns, [NaN/inf rewards, NaN/inf values at valid positions, mask entries not 0/1]); "
+        "algo 0 auto, 1 serial, 2 scan");
   m.def("lse_partials", &lse_partials, "per-row [4, N] (max, sum-exp, sum exp*shifted logit, target logit)",
         pybind11::arg("logits"), pybind11::arg("target"), pybind11::arg("vocab_start"),
         pybind11::arg("inv_temperature"));

@@ -37,23 +37,39 @@ __device__ __forceinline__ Affine<Acc> shfl_down(const Affine<Acc>& x, int offse
           __shfl_down_sync(0xffffffffu, x.b2, offset)};
 }
 
-__device__ __forceinline__ void add_nonfinite(int64_t* nonfinite, unsigned int bad_rewards, unsigned int bad_values) {
-  if (bad_rewards) atomicAdd(reinterpret_cast<unsigned long long*>(nonfinite), bad_rewards);
-  if (bad_values) atomicAdd(reinterpret_cast<unsigned long long*>(nonfinite + 1), bad_values);
+// counts[0..2] += NaN/inf rewards, NaN/inf values (at valid positions), mask entries that are not 0/1.
+__device__ __forceinline__ void add_counts(int64_t* counts, unsigned int bad_rewards, unsigned int bad_values,
+                                           unsigned int bad_mask) {
+  if (bad_rewards) atomicAdd(reinterpret_cast<unsigned long long*>(counts), bad_rewards);
+  if (bad_values) atomicAdd(reinterpret_cast<unsigned long long*>(counts + 1), bad_values);
+  if (bad_mask) atomicAdd(reinterpret_cast<unsigned long long*>(counts + 2), bad_mask);
+}
+
+// Raw bits of mask element i (types.h: mppo_mask). The element size is the same for every thread of a launch, so
+// the switch never diverges; it keeps one kernel per value dtype instead of one per value and mask dtype.
+__device__ __forceinline__ uint64_t mask_bits(const mppo_mask& m, int64_t i) {
+  switch (m.bytes) {
+    case 1: return mppo_mask_bits<uint8_t>(m, i);
+    case 2: return mppo_mask_bits<uint16_t>(m, i);
+    case 4: return mppo_mask_bits<uint32_t>(m, i);
+    default: return mppo_mask_bits<uint64_t>(m, i);
+  }
 }
 
 template <typename Acc, typename R, typename V, typename O>
-__global__ void gae_serial_kernel(const R* __restrict__ rewards, const V* __restrict__ values,
-                                  const uint8_t* __restrict__ mask, O* __restrict__ adv, O* __restrict__ ret,
-                                  int64_t batch, int64_t length, Acc gamma, Acc gamma_lam, int64_t* nonfinite) {
+__global__ void gae_serial_kernel(const R* __restrict__ rewards, const V* __restrict__ values, const mppo_mask mask,
+                                  O* __restrict__ adv, O* __restrict__ ret, int64_t batch, int64_t length, Acc gamma,
+                                  Acc gamma_lam, int64_t* counts) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= batch) return;
   const int64_t row = b * length;
   Acc next_value = 0, last_gae = 0;
-  unsigned int bad_rewards = 0, bad_values = 0;
+  unsigned int bad_rewards = 0, bad_values = 0, bad_mask = 0;
   for (int64_t t = length - 1; t >= 0; --t) {
     const int64_t i = row + t;
-    if (mask[i]) {
+    const uint64_t bits = mask_bits(mask, i);
+    bad_mask += mppo_mask_not01(mask, bits);
+    if (mppo_mask_valid(mask, bits)) {
       const Acc r = load<Acc>(rewards, i), v = load<Acc>(values, i);
       bad_rewards += !isfinite(r);
       bad_values += !isfinite(v);
@@ -66,15 +82,14 @@ __global__ void gae_serial_kernel(const R* __restrict__ rewards, const V* __rest
       store(ret, i, Acc(0));
     }
   }
-  add_nonfinite(nonfinite, bad_rewards, bad_values);
+  add_counts(counts, bad_rewards, bad_values, bad_mask);
 }
 
 template <typename Acc, int THREADS, int ITEMS, typename R, typename V, typename O>
 __global__ void __launch_bounds__(THREADS) gae_scan_kernel(const R* __restrict__ rewards,
-                                                           const V* __restrict__ values,
-                                                           const uint8_t* __restrict__ mask, O* __restrict__ adv,
-                                                           O* __restrict__ ret, int64_t length, Acc gamma,
-                                                           Acc gamma_lam, int64_t* nonfinite) {
+                                                           const V* __restrict__ values, const mppo_mask mask,
+                                                           O* __restrict__ adv, O* __restrict__ ret, int64_t length,
+                                                           Acc gamma, Acc gamma_lam, int64_t* counts) {
   constexpr int TILE = THREADS * ITEMS;
   constexpr int WARPS = THREADS / 32;
   __shared__ Acc s_r[TILE];  // rewards in, advantages out
@@ -87,7 +102,7 @@ __global__ void __launch_bounds__(THREADS) gae_scan_kernel(const R* __restrict__
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * length;
   if (tid == 0) s_carry[0] = s_carry[1] = Acc(0);
-  unsigned int bad_rewards = 0, bad_values = 0;
+  unsigned int bad_rewards = 0, bad_values = 0, bad_mask = 0;
 
   for (int64_t tile_end = length; tile_end > 0; tile_end -= TILE) {
     const int64_t tile_start = tile_end > TILE ? tile_end - TILE : 0;
@@ -95,7 +110,9 @@ __global__ void __launch_bounds__(THREADS) gae_scan_kernel(const R* __restrict__
     for (int i = tid; i < TILE; i += THREADS) {  // coalesced; padding = masked steps = identity maps
       const bool inside = i < n;
       const int64_t g = row + tile_start + i;
-      s_m[i] = inside ? mask[g] : 0;
+      const uint64_t bits = inside ? mask_bits(mask, g) : 0;
+      s_m[i] = mppo_mask_valid(mask, bits);
+      bad_mask += mppo_mask_not01(mask, bits);
       s_r[i] = inside ? load<Acc>(rewards, g) : Acc(0);
       s_v[i] = inside ? load<Acc>(values, g) : Acc(0);
       bad_rewards += s_m[i] && !isfinite(s_r[i]);
@@ -161,7 +178,7 @@ __global__ void __launch_bounds__(THREADS) gae_scan_kernel(const R* __restrict__
     }
     __syncthreads();  // smem is reused by the next tile
   }
-  add_nonfinite(nonfinite, bad_rewards, bad_values);
+  add_counts(counts, bad_rewards, bad_values, bad_mask);
 }
 
 constexpr int kScanThreads = 256;
@@ -170,11 +187,11 @@ constexpr int kSerialThreads = 128;
 
 // Launch-wide arguments that every dtype combination passes through unchanged.
 struct GaeArgs {
-  const uint8_t* mask;
+  mppo_mask mask;
   int64_t batch, length;
   double gamma, lam;
   mppo_gae_algo algo;
-  int64_t* nonfinite;
+  int64_t* counts;
   cudaStream_t stream;
 };
 
@@ -183,10 +200,10 @@ cudaError_t launch(const R* r, const V* v, O* adv, O* ret, const GaeArgs& a) {
   const Acc g = static_cast<Acc>(a.gamma), gl = static_cast<Acc>(a.gamma * a.lam);
   if (a.algo == MPPO_GAE_SERIAL) {
     gae_serial_kernel<Acc><<<ceil_div(a.batch, kSerialThreads), kSerialThreads, 0, a.stream>>>(
-        r, v, a.mask, adv, ret, a.batch, a.length, g, gl, a.nonfinite);
+        r, v, a.mask, adv, ret, a.batch, a.length, g, gl, a.counts);
   } else {
     gae_scan_kernel<Acc, kScanThreads, kScanItems><<<static_cast<unsigned int>(a.batch), kScanThreads, 0, a.stream>>>(
-        r, v, a.mask, adv, ret, a.length, g, gl, a.nonfinite);
+        r, v, a.mask, adv, ret, a.length, g, gl, a.counts);
   }
   return cudaGetLastError();
 }
@@ -216,14 +233,15 @@ cudaError_t dispatch_values(const R* r, const void* v, mppo_dtype vt, void* adv,
 }  // namespace mppo_cuda
 
 extern "C" cudaError_t mppo_cuda_gae(const void* rewards, mppo_dtype rt, const void* values, mppo_dtype vt,
-                                     const uint8_t* mask, void* adv, void* ret, mppo_dtype out, int64_t batch,
+                                     mppo_mask mask, void* adv, void* ret, mppo_dtype out, int64_t batch,
                                      int64_t length, double gamma, double lam, mppo_gae_algo algo,
-                                     int64_t* nonfinite, cudaStream_t stream) {
+                                     int64_t* counts, cudaStream_t stream) {
   using namespace mppo_cuda;
   if (batch == 0 || length == 0) return cudaSuccess;
   if (batch > 0x7fffffff) return cudaErrorInvalidValue;
+  if (mask.bytes != 1 && mask.bytes != 2 && mask.bytes != 4 && mask.bytes != 8) return cudaErrorInvalidValue;
   if (algo == MPPO_GAE_AUTO) algo = MPPO_GAE_SCAN;  // the choice and its measurement: docs/kernels.md
-  const GaeArgs a{mask, batch, length, gamma, lam, algo, nonfinite, stream};
+  const GaeArgs a{mask, batch, length, gamma, lam, algo, counts, stream};
   switch (rt) {
     case MPPO_F32: return dispatch_values(static_cast<const float*>(rewards), values, vt, adv, ret, out, a);
     case MPPO_F64: return dispatch_values(static_cast<const double*>(rewards), values, vt, adv, ret, out, a);

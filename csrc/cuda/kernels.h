@@ -18,11 +18,13 @@ extern "C" {
 //   MPPO_GAE_AUTO:   the default chosen by measurement (docs/kernels.md).
 enum mppo_gae_algo : int32_t { MPPO_GAE_AUTO = 0, MPPO_GAE_SERIAL = 1, MPPO_GAE_SCAN = 2 };
 
-// nonfinite: device int64[2], zeroed by the caller; receives the NaN/inf counts of rewards and values at valid
-// positions (the input check, fused into the kernel's one pass; read it only when checks are wanted: host sync).
+// mask: any bool/integer/floating dtype as mppo_mask (nonzero = valid), same semantics as the CPU kernel.
+// counts: device int64[3], zeroed by the caller; receives the NaN/inf counts of rewards and values at valid
+// positions and the number of mask entries that are not 0/1 (the input checks, fused into the kernel's one pass;
+// read it only when checks are wanted: host sync).
 cudaError_t mppo_cuda_gae(const void* rewards, mppo_dtype rewards_dtype, const void* values, mppo_dtype values_dtype,
-                          const uint8_t* mask, void* advantages, void* returns, mppo_dtype out_dtype, int64_t batch,
-                          int64_t length, double gamma, double lam, mppo_gae_algo algo, int64_t* nonfinite,
+                          mppo_mask mask, void* advantages, void* returns, mppo_dtype out_dtype, int64_t batch,
+                          int64_t length, double gamma, double lam, mppo_gae_algo algo, int64_t* counts,
                           cudaStream_t stream);
 
 // Bytes of device workspace mppo_cuda_lse_partials needs for this shape (0 when one block per row suffices).

@@ -3,7 +3,8 @@
 Two kinds of check:
 - metadata checks (type, shape, dtype): free, always on;
 - value checks (NaN/inf at valid positions, 0/1 masks): one reduction per tensor and, on a GPU, one host sync
-  when the result is read. They are on by default; set ``MEGATRON_PPO_ALGO_VALUE_CHECKS=0`` (or call
+  when the result is read. A mask found to be 0/1 is remembered (by identity and version counter) and not
+  re-read by later calls in the same step; ``finite_via`` checks finiteness through a sum the math already made. They are on by default; set ``MEGATRON_PPO_ALGO_VALUE_CHECKS=0`` (or call
   ``set_value_checks(False)``) to turn them off in a run that has already been validated.
 
 Every failure is a ``ValueError`` whose message starts with the argument's name.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -60,30 +62,60 @@ def mask(m, name: str, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
     """A 0/1 mask (bool, integer or floating dtype) shaped like ``ref``; returned as bool.
 
     Float/int masks holding anything but 0 and 1 (weights, NaN, attention masks with 2s) are rejected:
-    masks select tokens here, weighting is what ``rollout_is_weights`` is for.
+    masks select tokens here, weighting is what ``rollout_is_weights`` is for. (The compiled GAE kernel makes
+    the same check inside its own pass: ``mask_metadata`` + ``raise_not_01``.)
     """
+    mask_metadata(m, name, ref_name, ref)
+    if m.dtype == torch.bool:
+        return m
+    valid = m != 0
+    if _VALUE_CHECKS and not _seen_01(m):
+        # one compare against the bool mask (promoted on the fly): 0 -> False, 1 -> True, anything else (NaN too)
+        # differs. Three passes in all with ``valid``, which the caller needs anyway (it used to be five).
+        if bool((m != valid).any()):
+            raise_not_01(m, name)
+        _remember_01(m)
+    return valid
+
+
+def mask_metadata(m, name: str, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
+    """The free half of ``mask``: a tensor of bool, integer or floating dtype shaped like ``ref`` (values unread)."""
     if not isinstance(m, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(m).__name__}")
     if m.dtype != torch.bool and (m.is_complex() or not (m.is_floating_point() or _is_integer(m.dtype))):
         raise ValueError(f"{name} must be a bool, integer or floating 0/1 mask, got dtype {m.dtype}")
     same_shape(name, m, ref_name, ref)
-    if m.dtype == torch.bool:
-        return m
-    if _VALUE_CHECKS and bool(((m != 0) & (m != 1)).any()):
-        raise ValueError(f"{name} must contain only 0 and 1 (got other values such as {_first_bad(m)})")
-    return m != 0
+    return m
+
+
+def raise_not_01(m: torch.Tensor, name: str):
+    """The error for a mask known to hold a value other than 0 and 1 (finds one to name; error path only)."""
+    raise ValueError(f"{name} must contain only 0 and 1 (got other values such as {_first_bad(m)})")
 
 
 def finite(x: torch.Tensor, name: str, valid: torch.Tensor | None = None) -> None:
     """No NaN/inf in ``x`` where ``valid`` (bool) is True (everywhere when ``valid`` is None)."""
     if not _VALUE_CHECKS:
         return
-    bad = ~torch.isfinite(x.detach())
-    if valid is not None:
-        bad &= valid
-    if bool(bad.any()):
+    x = x.detach()
+    # x * 0 is 0 where x is finite and NaN where it is not, so its sum is NaN iff an element (a valid one) is NaN/inf:
+    # two passes (three with a mask) and no overflow possible. torch.isfinite is four passes (abs, ne, eq, mul);
+    # it only runs on the error path, for the count in the message.
+    zeros = x * 0 if valid is None else torch.where(valid, x, 0).mul_(0)
+    if bool(torch.isnan(zeros.sum())):
+        bad = ~torch.isfinite(x)
+        if valid is not None:
+            bad &= valid
         where = "at valid (mask=1) positions" if valid is not None else ""
         raise ValueError(f"{name} has {int(bad.sum())} NaN/inf values {where}".rstrip())
+
+
+def finite_via(result: torch.Tensor, x: torch.Tensor, name: str, valid: torch.Tensor | None = None) -> None:
+    """``finite(x, name, valid)`` for free when ``result`` sums every checked element of ``x``: a finite sum proves
+    them all finite (NaN and inf propagate through sums), so the exact check runs only when ``result`` is not
+    finite (bad input, or an overflowing sum: then the exact check passes and the inf result stands)."""
+    if _VALUE_CHECKS and not bool(torch.isfinite(result.detach()).all()):
+        finite(x, name, valid)
 
 
 def nonnegative(x: torch.Tensor, name: str, valid: torch.Tensor | None = None) -> None:
@@ -130,6 +162,35 @@ def choice(value, name: str, allowed: Sequence[str]) -> str:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
     return value
+
+
+# Masks already found to be 0/1, so that a mask shared by several calls of one step (policy loss, entropy and KL
+# aggregation, metrics) is validated once per batch, not per call. Keyed on the tensor object (weak reference:
+# nothing is kept alive) and its version counter, which every in-place write bumps (views share it).
+_VALIDATED_MASKS: list[tuple[weakref.ref, int]] = []
+_VALIDATED_MAX = 8
+
+
+def _version(m: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for inference-mode tensors, which have none (never cached)."""
+    try:
+        return m._version
+    except RuntimeError:
+        return None
+
+
+def _seen_01(m: torch.Tensor) -> bool:
+    version = _version(m)
+    return version is not None and any(ref() is m and v == version for ref, v in _VALIDATED_MASKS)
+
+
+def _remember_01(m: torch.Tensor) -> None:
+    version = _version(m)
+    if version is None:
+        return
+    _VALIDATED_MASKS[:] = [(r, v) for r, v in _VALIDATED_MASKS if r() is not None and r() is not m]
+    _VALIDATED_MASKS.append((weakref.ref(m), version))
+    del _VALIDATED_MASKS[:-_VALIDATED_MAX]
 
 
 def _is_integer(dtype: torch.dtype) -> bool:

@@ -89,8 +89,9 @@ def agg_loss(
     checks.float_tensor(loss_mat, "loss_mat", ndim=2)
     mask = checks.mask(loss_mask, "loss_mask", "loss_mat", loss_mat)
     args = _check_agg_args(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
-    checks.finite(loss_mat, "loss_mat", mask)
-    return _agg_loss(loss_mat, mask, loss_agg_mode, *args)
+    loss = _agg_loss(loss_mat, mask, loss_agg_mode, *args)
+    checks.finite_via(loss, loss_mat, "loss_mat", mask)  # every valid element is summed into loss: fused check
+    return loss
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -221,3 +221,91 @@ def test_gae_nonfinite_at_valid_positions_same_error_as_algo(backend):
         run_gae(backend, rewards, values, mask, 0.9, 0.9)
     assert str(ops_error.value) == str(algo_error.value) == (
         "token_level_rewards has 3 NaN/inf values at valid (mask=1) positions")
+
+
+# ------------------------------------------------------------------------------------ mask dtypes (one-pass check)
+
+MASK_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+               torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mask_dtype", MASK_DTYPES, ids=str)
+def test_gae_every_mask_dtype_matches_the_bool_mask(backend, mask_dtype):
+    rewards, values, mask = random_inputs(5, 37, seed=13)
+    exp = gae_loop_f64(rewards, values, mask, 0.99, 0.95)
+    m = mask.to(mask_dtype)
+    if mask_dtype.is_floating_point:
+        m = torch.where(mask, m, -m.new_zeros(()))  # -0.0 is 0 too
+    adv, ret = run_gae(backend, rewards, values, m, 0.99, 0.95)
+    torch.testing.assert_close(adv.double(), exp[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ret.double(), exp[1], rtol=1e-5, atol=1e-5)
+    assert torch.all(adv[~mask] == 0)
+
+
+BAD_MASK_VALUES = [(torch.uint8, 2), (torch.int8, -1), (torch.int16, 256), (torch.int32, 2), (torch.int64, -1),
+                   (torch.int64, 1 << 32), (torch.float16, 0.5), (torch.bfloat16, 2.0), (torch.float32, float("nan")),
+                   (torch.float32, 1e-30), (torch.float64, -1.0), (torch.float64, float("inf"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mask_dtype,bad", BAD_MASK_VALUES, ids=str)
+def test_gae_mask_not_01_same_error_as_algo(backend, mask_dtype, bad):
+    """Every non-0/1 value is caught (in the kernel's own pass) with algo's message, even beside NaN rewards."""
+    rewards, values, mask = random_inputs(3, 40, seed=2, mask_kind="full")
+    m = mask.to(mask_dtype)
+    m[1, 17] = bad
+    rewards[0, 3] = float("nan")  # the mask error comes first, as in algo
+    with pytest.raises(ValueError) as algo_error:
+        algo_gae(rewards, values, m, 0.9, 0.9)
+    with pytest.raises(ValueError) as ops_error:
+        run_gae(backend, rewards, values, m, 0.9, 0.9)
+    assert str(ops_error.value) == str(algo_error.value)
+    assert str(ops_error.value).startswith("response_mask must contain only 0 and 1 (got other values such as ")
+
+
+@pytest.mark.parametrize("backend", kernel_backends())
+def test_gae_kernel_front_door_makes_no_separate_mask_pass(backend, monkeypatch):
+    """Kernel-backed calls validate the mask inside the kernel: the multi-pass algo.checks.mask is never called
+    (it cost 8x the kernel for the trainer's float response_mask)."""
+    from megatron_ppo.algo import checks
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("ops.gae ran the separate multi-pass mask check")
+
+    monkeypatch.setattr(checks, "mask", forbidden)
+    rewards, values, mask = random_inputs(4, 33, seed=4)
+    for m in (mask, mask.float(), mask.long(), mask.to(torch.bfloat16)):
+        adv, _ = run_gae(backend, rewards, values, m, 0.9, 0.9)
+        torch.testing.assert_close(adv.double(), gae_loop_f64(rewards, values, mask, 0.9, 0.9)[0], rtol=1e-5,
+                                   atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gae_value_checks_off_treats_nonzero_as_valid_like_algo(backend):
+    from megatron_ppo.algo import checks
+
+    rewards, values, mask = random_inputs(3, 20, seed=6)
+    weird = mask.float() * 2.0  # not 0/1: rejected with checks on; with them off, nonzero selects (algo: m != 0)
+    previous = checks.set_value_checks(False)
+    try:
+        adv, ret = run_gae(backend, rewards, values, weird, 0.9, 0.9)
+        exp = algo_gae(rewards, values, weird, 0.9, 0.9)
+    finally:
+        checks.set_value_checks(previous)
+    torch.testing.assert_close(adv, exp[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ret, exp[1], rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_kernel_counts_in_one_pass():
+    """The raw binding: any mask dtype in, [NaN/inf rewards, NaN/inf values, non-0/1 mask entries] out."""
+    kernels = pytest.importorskip("megatron_ppo._kernels_cpu")
+    rewards, values, mask = random_inputs(2, 8, seed=8, mask_kind="full")
+    rewards[0, 0] = float("inf")
+    values[1, 2:4] = float("nan")
+    m = mask.float()
+    m[1, 5] = 3.0
+    m[0, 1] = 0.0
+    rewards[0, 1] = float("nan")  # masked: not counted
+    _, _, counts = kernels.gae(rewards, values, m, 0.9, 0.9, torch.float32)
+    assert counts.tolist() == [1, 2, 1]
