@@ -1,0 +1,127 @@
+"""The one interface the driver talks to, and its in-process implementation.
+
+A worker group hosts one role's worker (an arbitrary class: ``MegatronWorker``, an ActorWorker, ...) on every rank
+of a ``RankLayout`` and offers three calls:
+
+* ``call_all(method, *args, **kwargs)`` -> one result per rank (global rank order);
+* ``call_dp(method, shards, *args, **kwargs)`` -> one result per DP replica: every rank of replica d gets
+  ``shards[d]`` as the first argument (TP/PP peers must see the same data), and the answer comes from the
+  replica's representative rank (tp=0, last pipeline stage);
+* ``call_rows(method, batch, lengths, ...)``: ``call_dp`` over a token-balanced split of the batch's rows, with
+  the per-row results put back in the original row order;
+
+and ``shutdown()``. ``LocalWorkerGroup`` runs one rank in this process (debugging, the in-process driver);
+``RayWorkerGroup`` runs TP x PP x DP Ray actors. Any failure surfaces as ``WorkerGroupError``.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+from megatron_ppo.distributed.dispatch import restore_rows, select_rows, split_rows
+from megatron_ppo.distributed.layout import RankLayout
+
+__all__ = ["WorkerGroup", "WorkerGroupError", "LocalWorkerGroup", "resolve_worker_class"]
+
+
+class WorkerGroupError(RuntimeError):
+    """A rank failed or died; the group is gone (a gloo group is unusable after any error)."""
+
+
+def resolve_worker_class(worker_cls):
+    """A class, or its import path as "package.module:Class" (or "package.module.Class")."""
+    if isinstance(worker_cls, type):
+        return worker_cls
+    if not isinstance(worker_cls, str):
+        raise TypeError(f"worker class must be a class or an import path string, got {type(worker_cls).__name__}")
+    module, sep, name = worker_cls.partition(":")
+    if not sep:
+        module, _, name = worker_cls.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"worker class path {worker_cls!r}: expected 'package.module:Class'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"worker class path {worker_cls!r}: {e}") from e
+
+
+class WorkerGroup(ABC):
+    role: str
+    layout: RankLayout
+
+    @abstractmethod
+    def call_all(self, method: str, *args, **kwargs) -> list:
+        """``method(*args, **kwargs)`` on every rank's worker; results in global rank order."""
+
+    @abstractmethod
+    def call_dp(self, method: str, shards: Sequence[Any], *args, **kwargs) -> list:
+        """``method(shards[d], *args, **kwargs)`` on every rank of DP replica d; the representatives' results."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every rank (idempotent)."""
+
+    def call_rows(self, method: str, batch: Any, lengths: Sequence[int], *args, **kwargs) -> Any:
+        """Split ``batch``'s rows over the DP replicas by token count, call ``method(rows_of_batch, ...)``, and
+        return the per-row results (tensor / list / dict of those) in the original row order."""
+        shards = split_rows(list(lengths), self.layout.dp)
+        results = self.call_dp(method, [select_rows(batch, rows) for rows in shards], *args, **kwargs)
+        return restore_rows(results, shards)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+class LocalWorkerGroup(WorkerGroup):
+    """One rank in this process (TP = PP = DP = 1).
+
+    If Megatron's parallel state is not initialised the group initialises it (and destroys it on shutdown);
+    otherwise it uses the caller's (which must be a world of one).
+    """
+
+    def __init__(self, role: str, worker_cls, worker_kwargs: dict | None = None, *, seed: int = 1234):
+        from megatron_ppo import parallel
+
+        self.role = role
+        self.layout = RankLayout(1, 1, 1)
+        self._owns_parallel = not parallel.is_initialized()
+        if self._owns_parallel:
+            parallel.initialize(tp=1, pp=1, seed=seed)
+        elif (parallel.tp_size(), parallel.pp_size(), parallel.dp_size()) != (1, 1, 1):
+            raise ValueError(f"LocalWorkerGroup({role}): the process's parallel state is TP={parallel.tp_size()} "
+                             f"PP={parallel.pp_size()} DP={parallel.dp_size()}; a local group is one rank")
+        try:
+            self.worker = resolve_worker_class(worker_cls)(**(worker_kwargs or {}))
+        except BaseException as e:
+            self.shutdown()
+            raise WorkerGroupError(f"{role} rank 0 (tp0 pp0 dp0) on this process: building the worker failed: "
+                                   f"{type(e).__name__}: {e}") from e
+
+    def _call(self, method: str, *args, **kwargs):
+        if self.worker is None:
+            raise WorkerGroupError(f"{self.role}: the local group is shut down")
+        try:
+            return getattr(self.worker, method)(*args, **kwargs)
+        except Exception as e:
+            raise WorkerGroupError(f"{self.role} rank 0 (tp0 pp0 dp0) on this process failed in {method!r}: "
+                                   f"{type(e).__name__}: {e}") from e
+
+    def call_all(self, method: str, *args, **kwargs) -> list:
+        return [self._call(method, *args, **kwargs)]
+
+    def call_dp(self, method: str, shards: Sequence[Any], *args, **kwargs) -> list:
+        if len(shards) != 1:
+            raise ValueError(f"{self.role}: {len(shards)} shards for a group with DP=1")
+        return [self._call(method, shards[0], *args, **kwargs)]
+
+    def shutdown(self) -> None:
+        from megatron_ppo import parallel
+
+        self.worker = None
+        if self._owns_parallel and parallel.is_initialized():
+            parallel.destroy()
+        self._owns_parallel = False

@@ -1,0 +1,134 @@
+"""Where each role's ranks run: Ray placement groups for ``colocated`` and ``split`` placement.
+
+colocated (the default, verl's hybrid-engine arrangement): all roles share ONE placement group of
+``max(world sizes)`` bundles; rank r of every role sits on bundle r. megatron's parallel_state is process-global, so
+one process cannot hold two layouts: each role keeps its own processes, and the roles sharing a bundle split its
+resources (each asks for ``bundle / n_roles`` CPUs and GPUs). The roles take turns (generate, then evaluate, then
+update), so a rank's torch thread count is the whole bundle, not its accounting share.
+
+split: one placement group per role, ``world size`` full bundles each; the roles' ranks add up.
+
+``plan_placement`` is pure (tests and the driver's pre-flight); ``create_placement`` asks Ray for the groups and
+fails with the arithmetic if Ray cannot reserve them within a timeout (instead of pending forever).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from megatron_ppo.distributed.layout import ClusterSlots, LayoutError, RankLayout, check_fits
+
+__all__ = ["RankResources", "RolePlacement", "PlacementPlan", "plan_placement", "create_placement",
+           "remove_placement"]
+
+
+@dataclass(frozen=True)
+class RankResources:
+    """What one rank's bundle holds (per-rank ``num_cpus`` / ``num_gpus`` from the config)."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+    def __post_init__(self):
+        if self.num_cpus < 0 or self.num_gpus < 0 or self.num_cpus + self.num_gpus <= 0:
+            raise LayoutError(f"RankResources: num_cpus={self.num_cpus}, num_gpus={self.num_gpus}; a rank needs "
+                              "a positive amount of CPU or GPU")
+
+    def bundle(self) -> dict[str, float]:
+        out = {"CPU": self.num_cpus}
+        if self.num_gpus:
+            out["GPU"] = self.num_gpus
+        return out
+
+
+@dataclass
+class RolePlacement:
+    """One role's seats: the placement-group ``pool``, the bundle of each rank, and what each rank reserves.
+
+    ``pg`` is the Ray PlacementGroup once created (None in a plan). ``threads`` is the torch thread count of a rank.
+    """
+
+    pool: str
+    bundle_indices: list[int]
+    num_cpus: float
+    num_gpus: float
+    threads: int
+    pg: Any = None
+
+
+@dataclass
+class PlacementPlan:
+    mode: str
+    pools: dict[str, list[dict[str, float]]]  # pool name -> bundles
+    roles: dict[str, RolePlacement]
+    groups: dict[str, Any] = field(default_factory=dict)  # pool name -> PlacementGroup, once created
+
+
+def _share(amount: float, n: int) -> float:
+    """amount / n, in a form Ray accepts: fractions below 1 (4 decimals, rounded down so n shares fit) or whole
+    numbers (Ray refuses fractional quantities above 1)."""
+    if amount == 0:
+        return 0.0
+    share = amount / n
+    if share > 1:
+        return float(math.floor(share))
+    return math.floor(share * 10_000) / 10_000
+
+
+def plan_placement(layouts: Mapping[str, RankLayout], slots: ClusterSlots, mode: str = "colocated",
+                   resources: RankResources = RankResources()) -> PlacementPlan:
+    """Bundles and per-rank reservations for ``layouts`` ({role: RankLayout}); refuses what does not fit."""
+    check_fits(layouts, slots, mode)
+    bundle = resources.bundle()
+    threads = max(1, int(resources.num_cpus))
+    if mode == "colocated":
+        n = max(layout.world_size for layout in layouts.values())
+        cpus, gpus = _share(resources.num_cpus, len(layouts)), _share(resources.num_gpus, len(layouts))
+        if (resources.num_cpus and cpus == 0) or (resources.num_gpus and gpus == 0):
+            raise LayoutError(f"colocated placement: {len(layouts)} roles cannot share a bundle of {bundle}")
+        roles = {role: RolePlacement("colocated", list(range(layout.world_size)), cpus, gpus, threads)
+                 for role, layout in layouts.items()}
+        return PlacementPlan(mode, {"colocated": [dict(bundle) for _ in range(n)]}, roles)
+    pools = {role: [dict(bundle) for _ in range(layout.world_size)] for role, layout in layouts.items()}
+    roles = {role: RolePlacement(role, list(range(layout.world_size)), resources.num_cpus, resources.num_gpus,
+                                 threads) for role, layout in layouts.items()}
+    return PlacementPlan(mode, pools, roles)
+
+
+def create_placement(plan: PlacementPlan, *, strategy: str = "PACK", ready_timeout_s: float = 60.0,
+                     name_prefix: str = "megatron_ppo") -> PlacementPlan:
+    """Reserve the plan's placement groups in the connected Ray cluster and attach them to the roles.
+
+    A group Ray cannot reserve within ``ready_timeout_s`` (the cluster lacks the resources) is removed, and the
+    error states what was asked and what the cluster has.
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+
+    try:
+        for pool, bundles in plan.pools.items():
+            pg = placement_group(bundles, strategy=strategy, name=f"{name_prefix}_{pool}")
+            plan.groups[pool] = pg
+            ready, _ = ray.wait([pg.ready()], timeout=ready_timeout_s)
+            if not ready:
+                raise LayoutError(
+                    f"placement group {pool!r}: Ray could not reserve {len(bundles)} bundles of {bundles[0]} "
+                    f"({strategy}) within {ready_timeout_s:.0f} s; the cluster has {ray.cluster_resources()} "
+                    f"in total and {ray.available_resources()} free")
+    except BaseException:
+        remove_placement(plan)
+        raise
+    for rp in plan.roles.values():
+        rp.pg = plan.groups[rp.pool]
+    return plan
+
+
+def remove_placement(plan: PlacementPlan) -> None:
+    """Give the plan's placement groups back to Ray (their actors must be gone or are killed with them)."""
+    from ray.util.placement_group import remove_placement_group
+
+    for pool in list(plan.groups):
+        remove_placement_group(plan.groups.pop(pool))
+    for rp in plan.roles.values():
+        rp.pg = None

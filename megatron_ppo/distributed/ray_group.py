@@ -1,0 +1,295 @@
+"""TP x PP x DP ranks of one role as Ray actors, initialised together, failing fast as one.
+
+Start-up: one ``RankActor`` per rank on its placement-group bundle (rank r -> ``placement.bundle_indices[r]``),
+rank 0's node IP and a free port on that node become MASTER_ADDR/PORT, then every rank initialises
+torch.distributed + Megatron's parallel state and builds the worker concurrently (one wait over all set-up
+futures: ranks that rendezvous one after another time out in the TCP store). The worker class (a class, or its
+import path) is built INSIDE the actor after parallel init, so no Megatron state crosses a process boundary. Each
+rank checks that parallel_state gives it the (tp, pp, dp) coordinates ``RankLayout`` promised.
+
+Fail fast: every call is submitted to all ranks and awaited with ``ray.wait(num_returns=1)``. A dead peer breaks
+its gloo peers' collectives within ~0.1 s and Ray reports the death itself within ms; a live peer missing from a
+collective would block the others until the collective timeout (``collective_timeout_s``, passed to
+torch.distributed and Megatron's groups as the backstop). So on the first error the group waits ``grace_s`` for the
+other ranks' errors (to name the root cause: a death before the gloo errors it caused), kills every rank (a gloo
+group is unusable after any error), makes sure the processes and their children are gone, and raises
+``WorkerGroupError`` naming role, rank, (tp, pp, dp), node and pid, with the remote traceback.
+
+Output: Ray prefixes an actor's stdout/stderr with the actor's repr, here ``actor[tp0 pp0 dp1]``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import time
+from typing import Any, Sequence
+
+from megatron_ppo.distributed.group import WorkerGroup, WorkerGroupError, resolve_worker_class
+from megatron_ppo.distributed.layout import RankCoords, RankLayout
+from megatron_ppo.distributed.placement import RolePlacement
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RankActor", "RayWorkerGroup"]
+
+
+class RankActor:
+    """The process of one rank: parallel init, then the role's worker; ``call`` runs a worker method."""
+
+    def __init__(self, role: str, rank: int, coords: tuple[int, int, int]):
+        self.role, self.rank, self.coords = role, rank, RankCoords(*coords)
+        self.worker = None
+
+    def __repr__(self) -> str:  # Ray's prefix of this actor's log lines
+        return f"{self.role}[{self.coords}]"
+
+    def info(self) -> dict:
+        import ray
+
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
+                "resources": ray.get_runtime_context().get_assigned_resources(),
+                "placement_group": ray.get_runtime_context().get_placement_group_id()}
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int, layout: tuple[int, int, int], seed: int,
+              timeout_minutes: float, threads: int, worker_cls, worker_kwargs: dict) -> dict:
+        import torch
+
+        tp, pp, dp = layout
+        torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS=1 for fractional/1-CPU actors: decide here
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(tp * pp * dp),
+                          RANK=str(self.rank), LOCAL_RANK="0")  # Ray gives a GPU actor its own CUDA_VISIBLE_DEVICES
+        from megatron_ppo import parallel
+
+        parallel.initialize(tp=tp, pp=pp, seed=seed, timeout_minutes=timeout_minutes)
+        got = RankCoords(parallel.tp_rank(), parallel.pp_rank(), parallel.dp_rank())
+        if got != self.coords:
+            raise RuntimeError(f"{self!r} rank {self.rank}: megatron parallel_state placed this rank at ({got}), "
+                               f"the layout expected ({self.coords})")
+        self.worker = resolve_worker_class(worker_cls)(**worker_kwargs)
+        return {"threads": torch.get_num_threads()}
+
+    def call(self, _mppo_method: str, _mppo_return: bool, *args, **kwargs) -> Any:
+        result = getattr(self.worker, _mppo_method)(*args, **kwargs)
+        return result if _mppo_return else None
+
+
+class RayWorkerGroup(WorkerGroup):
+    """``layout.world_size`` RankActors of ``role`` on ``placement``, hosting ``worker_cls(**worker_kwargs)``.
+
+    collective_timeout_s: torch.distributed / Megatron group timeout (the backstop for a live rank that never joins
+        a collective; Megatron's default is 30 min). call_timeout_s: optional bound on any one call.
+    """
+
+    def __init__(self, role: str, layout: RankLayout, placement: RolePlacement, worker_cls,
+                 worker_kwargs: dict | None = None, *, seed: int = 1234, collective_timeout_s: float = 120.0,
+                 setup_timeout_s: float = 600.0, call_timeout_s: float | None = None, grace_s: float = 1.0,
+                 kill_timeout_s: float = 20.0):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if placement.pg is None:
+            raise ValueError(f"{role}: placement has no placement group (create_placement first)")
+        if len(placement.bundle_indices) != layout.world_size:
+            raise ValueError(f"{role}: {layout} but the placement seats {len(placement.bundle_indices)} ranks")
+        if collective_timeout_s <= 0:
+            raise ValueError(f"{role}: collective_timeout_s={collective_timeout_s} must be > 0")
+        if isinstance(worker_cls, str):
+            resolve_worker_class(worker_cls)  # a typo fails here, before any process starts
+        self.role, self.layout, self.placement = role, layout, placement
+        self.call_timeout_s, self.grace_s, self.kill_timeout_s = call_timeout_s, grace_s, kill_timeout_s
+        self.infos: list[dict | None] = [None] * layout.world_size
+        self.timings: dict[str, float] = {}
+        self._dead = False
+        start = time.perf_counter()
+        remote_cls = ray.remote(RankActor)
+        self.actors = [
+            remote_cls.options(
+                num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, max_restarts=0, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement.pg, placement_group_bundle_index=placement.bundle_indices[rank]),
+            ).remote(role, rank, tuple(layout.coords(rank)))
+            for rank in range(layout.world_size)]
+        try:
+            self.infos = self._wait([a.info.remote() for a in self.actors], "start", setup_timeout_s)
+            self.timings["spawn_s"] = time.perf_counter() - start
+            master_addr = self.infos[0]["node_ip"]
+            master_port = self._wait([self.actors[0].free_port.remote()], "free_port", setup_timeout_s,
+                                     ranks=[0])[0]
+            kwargs_ref = ray.put(dict(worker_kwargs or {}))
+            cls_ref = ray.put(worker_cls)
+            setup = [a.setup.remote(master_addr, master_port, (layout.tp, layout.pp, layout.dp), seed,
+                                    collective_timeout_s / 60.0, placement.threads, cls_ref, kwargs_ref)
+                     for a in self.actors]
+            self._wait(setup, "setup", setup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.timings["start_s"] = time.perf_counter() - start
+        logger.info("%s: %s up in %.1f s", role, layout, self.timings["start_s"])
+
+    # ------------------------------------------------------------------------------------------------ calls
+
+    def call_all(self, method: str, *args, **kwargs) -> list:
+        return self._call(method, [args] * self.layout.world_size, kwargs, keep=range(self.layout.world_size))
+
+    def call_dp(self, method: str, shards: Sequence[Any], *args, **kwargs) -> list:
+        import ray
+
+        if len(shards) != self.layout.dp:
+            raise ValueError(f"{self.role}: {len(shards)} shards for DP={self.layout.dp}")
+        refs = [ray.put(shard) for shard in shards]  # serialised once per replica, not once per TP/PP peer
+        per_rank = [(refs[self.layout.coords(r).dp],) + args for r in range(self.layout.world_size)]
+        results = self._call(method, per_rank, kwargs, keep=self.layout.representatives)
+        return [results[r] for r in self.layout.representatives]
+
+    def _call(self, method: str, per_rank_args: list[tuple], kwargs: dict, keep) -> list:
+        import ray
+
+        if self._dead:
+            raise WorkerGroupError(f"{self.role}: the group is shut down")
+        keep = set(keep)
+        # Each distinct argument is serialised once (a state dict for every rank is one object, not world_size).
+        refs_by_id = {}
+        for args in per_rank_args:
+            for a in args:
+                if id(a) not in refs_by_id:
+                    refs_by_id[id(a)] = a if isinstance(a, ray.ObjectRef) else ray.put(a)
+        refs = [actor.call.remote(method, rank in keep, *[refs_by_id[id(a)] for a in per_rank_args[rank]], **kwargs)
+                for rank, actor in enumerate(self.actors)]
+        return self._wait(refs, method, self.call_timeout_s)
+
+    # ------------------------------------------------------------------------------------------------ fail fast
+
+    def _wait(self, refs: list, what: str, timeout_s: float | None, ranks: Sequence[int] | None = None) -> list:
+        """Results of ``refs`` (one per rank in ``ranks``); on the first error or death: kill all, raise."""
+        import ray
+
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        pending = dict(zip(refs, ranks))
+        results: dict[int, Any] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not ready:
+                self._fail(what, [], pending.values(), timed_out=timeout_s)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except Exception as first:  # RayTaskError (the rank raised) or RayActorError (it died)
+                    errors = [(rank, first)]
+                    if pending:  # the other ranks' errors, to tell a death from the gloo errors it caused
+                        more, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.grace_s)
+                        for r in more:
+                            try:
+                                ray.get(r)
+                            except Exception as e:
+                                errors.append((pending[r], e))
+                            pending.pop(r)
+                    self._fail(what, errors, pending.values())
+        return [results[r] for r in ranks]
+
+    def _where(self, rank: int) -> str:
+        info = self.infos[rank] or {}
+        return (f"{self.role} rank {rank} ({self.layout.coords(rank)}) on node {info.get('node_ip', '?')} "
+                f"pid {info.get('pid', '?')}")
+
+    def _fail(self, what: str, errors: list, silent_ranks, timed_out: float | None = None):
+        """Kill the group and raise: deaths first (they cause their peers' gloo errors), then raised errors."""
+        from ray.exceptions import RayActorError
+
+        silent = sorted(silent_ranks)
+        deaths = [(r, e) for r, e in errors if isinstance(e, RayActorError)]
+        raised = [(r, e) for r, e in errors if not isinstance(e, RayActorError)]
+        summaries, details = [], []
+        for r, e in deaths:
+            first = (str(e).strip().splitlines() or [""])[0]
+            summaries.append(f"{self._where(r)} died during {what!r} ({type(e).__name__}: {first})")
+        for r, e in raised:
+            cause = getattr(e, "cause", None) or e
+            first = (str(cause).strip().splitlines() or [""])[0]
+            summaries.append(f"{self._where(r)} raised {type(cause).__name__}: {first} (in {what!r})")
+            details.append(f"--- remote traceback of {self.role} rank {r} ({self.layout.coords(r)}):\n"
+                           f"{_indent(_ANSI.sub('', str(e)).strip())}")
+        if timed_out is not None:
+            summaries.append(f"{self.role}: {what!r} did not finish within {timed_out:.0f} s (call timeout)")
+        if silent:
+            summaries.append(f"{self.role} ranks {silent} had not answered")
+        self.shutdown()
+        message = "\n".join([summaries[0]] + [f"also: {s}" for s in summaries[1:]] + details + [
+            f"all {self.layout.world_size} {self.role} ranks ({self.layout}) were killed (a torch.distributed "
+            "group is unusable after an error)"])
+        raise WorkerGroupError(message) from (errors[0][1] if errors else None)
+
+    def shutdown(self) -> None:
+        """Kill every rank and wait until their processes (and children, on this node) are gone."""
+        import ray
+
+        if self._dead:
+            return
+        self._dead = True
+        here = ray.util.get_node_ip_address()
+        local_pids = [info["pid"] for info in self.infos if info and info.get("node_ip") == here]
+        children = _child_pids(local_pids)
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:  # already dead
+                logger.debug("%s: ray.kill: %s", self.role, e)
+        _reap(local_pids, children, self.kill_timeout_s, self.role)
+
+    def pids(self) -> list[int | None]:
+        return [info["pid"] if info else None for info in self.infos]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its remote tracebacks for terminals
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
+
+
+def _child_pids(pids: list[int]) -> list[int]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            out += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+    return out
+
+
+def _reap(pids: list[int], children: list[int], timeout_s: float, role: str) -> None:
+    """Wait for the ranks' processes to exit (SIGKILL after ``timeout_s``), then SIGKILL their orphaned children
+    (e.g. a dist_checkpointing Manager): a killed rank cannot stop them and Ray does not own them."""
+    import psutil
+
+    def processes(ids):
+        out = []
+        for pid in ids:
+            try:
+                out.append(psutil.Process(pid))
+            except psutil.Error:
+                pass
+        return out
+
+    _, alive = psutil.wait_procs(processes(pids), timeout=timeout_s)
+    for p in alive:
+        logger.warning("%s: pid %d still alive %.0f s after ray.kill: SIGKILL", role, p.pid, timeout_s)
+    orphans = processes(children)
+    for p in alive + orphans:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive + orphans, timeout=5)
