@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ppo import config as C
-from megatron_ppo.config_io import reference_rows
+from megatron_ppo.config.verl_compat import reference_rows
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer_ppo import VOWEL_REWARD, _overrides, data_dir  # noqa: E402,F401  (helpers and fixture reused)
@@ -80,7 +80,7 @@ def _all_keys() -> list[str]:
 
 
 def _config_classes(cls=C.PPOConfig) -> set[type]:
-    from megatron_ppo.config_io import _hints, _unwrap_optional
+    from megatron_ppo.config.io import _hints, _unwrap_optional
 
     out = {cls}
     for f in dataclasses.fields(cls):
@@ -92,9 +92,9 @@ def _config_classes(cls=C.PPOConfig) -> set[type]:
 
 class ReadRecorder:
     """Records 'dotted.key' for each field read on the registered config tree, except reads by dataclass-generated
-    methods (__eq__, __repr__) and by the config machinery (config_io: to_dict/YAML; config_checks: validation)."""
+    methods (__eq__, __repr__) and by the config machinery (config/io.py: to_dict/YAML; config/checks.py: validation)."""
 
-    MACHINERY = ("config_io.py", "config_checks.py")
+    MACHINERY = ("megatron_ppo/config/io.py", "megatron_ppo/config/checks.py")
 
     def __init__(self, monkeypatch):
         self.paths: dict[int, str] = {}

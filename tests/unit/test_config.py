@@ -11,7 +11,7 @@ import yaml
 
 from megatron_ppo import config as C
 from megatron_ppo.config import CONFIG_DIR, ConfigError, PPOConfig, config_from_dict, load_config, to_dict, to_yaml
-from megatron_ppo.config_io import reference_rows, yaml_load
+from megatron_ppo.config import reference_rows, yaml_load
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -605,11 +605,11 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
 
 
 def test_val_before_train_without_val_files_is_a_warning_naming_both_keys(caplog):
-    with caplog.at_level("WARNING", logger="megatron_ppo.config_checks"):
+    with caplog.at_level("WARNING", logger="megatron_ppo.config.checks"):
         load_config("tiny_cpu", ["data.val_files=[]", "trainer.test_freq=-1", "trainer.val_before_train=true"])
     assert "trainer.val_before_train=true does nothing: data.val_files is empty" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="megatron_ppo.config_checks"):
+    with caplog.at_level("WARNING", logger="megatron_ppo.config.checks"):
         for name in ("tiny_cpu", "gsm8k_ppo"):
             load_config(name)
         load_config("tiny_cpu", ["data.val_files=[]", "trainer.test_freq=-1"])  # tiny_cpu: val_before_train false

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from megatron_ppo.config import CONFIG_DIR, load_config
-from megatron_ppo.config_io import ConfigError, yaml_load
+from megatron_ppo.config import ConfigError, yaml_load
 
 
 

@@ -1,4 +1,4 @@
-"""Plumbing between typed config dataclasses and YAML / CLI text, kept apart from the schema in `config.py`.
+"""Plumbing between typed config dataclasses and YAML / CLI text, kept apart from the schema (`config.schema`).
 
 Building is strict: every key must be a declared field, every value must match the field's type hint (Literal
 values are the allowed set), and every error names the full dotted key. Errors are collected, not raised one by
@@ -10,14 +10,11 @@ import copy
 import dataclasses
 import difflib
 import functools
-import math
 import re
 import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
-
-SAME = "<same>"  # field metadata: the verl key has the same name in the mapped verl section (else: a relative key)
 
 
 class ConfigError(ValueError):
@@ -31,19 +28,6 @@ class ConfigError(ValueError):
         else:
             message = f"invalid config{where}, {len(self.errors)} problems:\n  - " + "\n  - ".join(self.errors)
         super().__init__(message)
-
-
-def field(default: Any = dataclasses.MISSING, help: str = "", verl: str | None = SAME) -> Any:
-    """A dataclass field with its help text and its verl equivalent (None: no verl key) for the docs table.
-
-    Callables (classes, lambdas) and lists/dicts become default factories so that instances never share them.
-    """
-    meta = {"help": help, "verl": verl}
-    if callable(default):
-        return dataclasses.field(default_factory=default, metadata=meta)
-    if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
 
 
 # ---------------------------------------------------------------------------------------------- YAML
@@ -360,60 +344,3 @@ def apply_overrides(
     if errors:
         raise ConfigError(errors, source)
     return data
-
-
-# ---------------------------------------------------------------------------------------------- docs
-
-def _show_default(value: Any) -> str:
-    if dataclasses.is_dataclass(value):
-        value = dataclasses.asdict(value)
-    if isinstance(value, float) and math.isfinite(value):
-        return repr(value)
-    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
-    return text[:-4].strip() if text.endswith("...") else text
-
-
-def reference_rows(cls: type, verl_sections: dict[str, str | None], verl_keys: dict[str, str | None] | None = None,
-                   prefix: str = "", instance: Any = None) -> list[tuple[str, str, str, str, str]]:
-    """(key, type, default, verl key, help) for every leaf field, recursing into (optional) sub-sections.
-
-    Defaults come from `instance` where a section's default is a configured instance (critic.optim.lr = 1e-5).
-    The verl key is `verl_keys[key]` if listed, else the field's metadata resolved against its verl section.
-    """
-    verl_keys = verl_keys or {}
-    rows = []
-    for f in dataclasses.fields(cls):
-        key = prefix + f.name
-        tp = _hints(cls)[f.name]
-        inner = _unwrap_optional(tp)
-        default = getattr(instance, f.name) if instance is not None else _default(f)
-        if dataclasses.is_dataclass(inner):
-            sub = default if dataclasses.is_dataclass(default) else None
-            rows += reference_rows(inner, verl_sections, verl_keys, key + ".", sub)
-            continue
-        verl = f.metadata.get("verl", SAME)
-        section = verl_sections.get(prefix.rstrip("."))
-        if key in verl_keys:
-            verl_key = verl_keys[key] or "—"
-        elif verl is None or (verl == SAME and section is None):
-            verl_key = "—"
-        elif verl == SAME:
-            verl_key = f"{section}.{f.name}"
-        elif section is None:
-            verl_key = verl
-        else:
-            verl_key = f"{section}.{verl}"
-        shown = "(required)" if default is dataclasses.MISSING else _show_default(default)
-        rows.append((key, type_name(tp), shown, verl_key, f.metadata.get("help", "")))
-    return rows
-
-
-def reference_table(cls: type, verl_sections: dict[str, str | None], verl_keys: dict[str, str | None]) -> str:
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|")
-
-    lines = ["| key | type | default | verl equivalent | meaning |", "|---|---|---|---|---|"]
-    for key, tp, default, verl, help_text in reference_rows(cls, verl_sections, verl_keys):
-        lines.append(f"| `{key}` | {cell(tp)} | `{cell(default)}` | {cell(verl if verl == '—' else f'`{verl}`')} "
-                     f"| {cell(help_text)} |")
-    return "\n".join(lines) + "\n"

@@ -1,25 +1,32 @@
-"""Typed PPO configuration: nested dataclasses, YAML files, dotted CLI overrides, validation with clear errors.
+"""The PPO config schema: nested dataclasses, one per section, each field with its default, help text and verl name.
 
 Key names follow verl 0.9.1 wherever the concept is the same (`actor.clip_ratio`, `algorithm.kl_ctrl.kl_coef`,
 `data.train_batch_size`, ...). Sections: data, actor, critic, ref, reward, rollout, algorithm, trainer, cluster.
-
-    cfg = load_config("tiny_cpu", ["actor.clip_ratio=0.3", "algorithm.kl_ctrl.type=adaptive"])
-
-`load_config` = read YAML -> apply overrides -> build (unknown keys, types) -> validate (values, cross-key rules);
-every problem raises one `ConfigError` whose message names the full dotted key (see docs/config.md).
+Loading (YAML, overrides) is in `config.io` and `config.load`, the value rules in `config.checks`, verl's section
+names and renames in `config.verl_compat` (see docs/config.md).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from .config_io import ConfigError, apply_overrides, field, from_dict, reference_table, to_dict, yaml_dump, yaml_load
+SAME = "<same>"  # field metadata: the verl key has the same name in the mapped verl section (else: a relative key)
 
-__all__ = ["ConfigError", "PPOConfig", "load_config", "from_dict", "to_dict", "to_yaml", "save_config",
-           "config_from_dict", "CONFIG_DIR", "KL_TYPES", "LOGGERS", "ROLLOUT_RS_OPTIONS"]
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+def field(default: Any = dataclasses.MISSING, help: str = "", verl: str | None = SAME) -> Any:
+    """A dataclass field with its help text and its verl equivalent (None: no verl key) for the docs table.
+
+    Callables (classes, lambdas) and lists/dicts become default factories so that instances never share them.
+    """
+    meta = {"help": help, "verl": verl}
+    if callable(default):
+        return dataclasses.field(default_factory=default, metadata=meta)
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
 
 KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                  "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
@@ -98,7 +105,7 @@ class ModelConfig:
                                 "for critic/ref null means: the actor's weights")
     arch: Optional[ArchConfig] = field(None, "inline architecture with random init (instead of path)", None)
     tokenizer_path: Optional[str] = field(None, "HF tokenizer directory; null: path")
-    # verl keeps these four under <role>.megatron (see VERL_KEYS)
+    # verl keeps these four under <role>.megatron (see verl_compat.VERL_KEYS)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         "auto", "parameter dtype; auto: bfloat16 on GPU, float32 on CPU")
     recompute_granularity: Optional[Literal["full", "selective"]] = field(None, "activation checkpointing; null: off")
@@ -370,96 +377,3 @@ class PPOConfig:
         return ModelConfig(path=base.path, arch=base.arch, tokenizer_path=own.tokenizer_path or base.tokenizer_path,
                            dtype=own.dtype, recompute_granularity=own.recompute_granularity,
                            recompute_method=own.recompute_method, recompute_num_layers=own.recompute_num_layers)
-
-
-# verl's section for each of ours (docs table) and verl spellings that we accept nowhere but recognise in errors.
-VERL_SECTIONS = {
-    "data": "data", "data.preprocess": None,
-    "actor": "actor_rollout_ref.actor", "actor.optim": "actor_rollout_ref.actor.optim",
-    "actor.model": "actor_rollout_ref.model", "actor.model.arch": "hf_config",
-    "critic": "critic", "critic.optim": "critic.optim", "critic.model": "critic.model",
-    "critic.model.arch": "hf_config",
-    "ref": "actor_rollout_ref.ref", "ref.model": "actor_rollout_ref.model", "ref.model.arch": "hf_config",
-    "reward": "reward", "reward.custom_reward_function": "reward.custom_reward_function",
-    "reward.reward_model": "reward.reward_model", "reward.reward_model.model": None,
-    "reward.reward_model.model.arch": "hf_config",
-    "rollout": "actor_rollout_ref.rollout", "rollout.val_kwargs": "actor_rollout_ref.rollout.val_kwargs",
-    "algorithm": "algorithm", "algorithm.kl_ctrl": "algorithm.kl_ctrl", "algorithm.kl_guard": None,
-    "algorithm.rollout_correction": "algorithm.rollout_correction",
-    "trainer": "trainer", "cluster": "trainer",
-    "cluster.actor": "actor_rollout_ref.actor.megatron", "cluster.critic": "critic.megatron",
-    "cluster.ref": "actor_rollout_ref.ref.megatron", "cluster.reward": None,
-}
-_MEGATRON_MODEL_KEYS = {"dtype": "dtype", **{k: f"override_transformer_config.{k}" for k in
-                                             ("recompute_granularity", "recompute_method", "recompute_num_layers")}}
-VERL_KEYS = {  # rows whose verl key is not "<verl section>.<same name>"
-    **{f"{ours}.model.{k}": f"{theirs}.megatron.{v}" for k, v in _MEGATRON_MODEL_KEYS.items()
-       for ours, theirs in [("actor", "actor_rollout_ref.actor"), ("critic", "critic"), ("ref", "actor_rollout_ref.ref")]},
-    "reward.reward_model.model.path": "reward.reward_model.model_path",
-    "rollout.dump_dir": "trainer.rollout_data_dir", "trainer.seed": "actor_rollout_ref.actor.megatron.seed",
-    "reward.reward_model.micro_batch_size_per_gpu": None,
-}
-VERL_RENAMES = [
-    ("actor_rollout_ref.actor.megatron", "cluster.actor"), ("actor_rollout_ref.ref.megatron", "cluster.ref"),
-    ("critic.megatron", "cluster.critic"), ("actor.megatron", "cluster.actor"), ("ref.megatron", "cluster.ref"),
-    ("actor_rollout_ref.model", "actor.model"), ("actor_rollout_ref", ""), ("actor.grad_clip", "actor.optim.clip_grad"),
-    ("critic.grad_clip", "critic.optim.clip_grad"), ("data.tokenizer", "actor.model.tokenizer_path"),
-    ("trainer.nnodes", "cluster.nnodes"), ("trainer.n_gpus_per_node", "cluster.n_gpus_per_node"),
-    ("trainer.device", "cluster.device"), ("trainer.rollout_data_dir", "rollout.dump_dir"),
-    ("reward_model", "reward.reward_model"), ("custom_reward_function", "reward.custom_reward_function"),
-    ("actor.optim.lr_scheduler_type", "actor.optim.lr_decay_style"),
-    ("critic.optim.lr_scheduler_type", "critic.optim.lr_decay_style"),
-]
-
-
-# ---------------------------------------------------------------------------------------------- loading
-
-def resolve_config_path(path_or_name: str | Path) -> Path:
-    """A file path, or a bare name like "tiny_cpu" that names configs/<name>.yaml in the repository."""
-    path = Path(path_or_name)
-    if path.suffix in (".yaml", ".yml") or path.exists() or len(path.parts) > 1:
-        if not path.is_file():
-            raise ConfigError([f"config file {str(path)!r} does not exist"])
-        return path
-    candidate = CONFIG_DIR / f"{path_or_name}.yaml"
-    if not candidate.is_file():
-        names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-        raise ConfigError([f"no config named {str(path_or_name)!r}; shipped configs: {', '.join(names)}"])
-    return candidate
-
-
-def config_from_dict(data: Any, overrides: list[str] = (), source: str | None = None) -> PPOConfig:
-    """Plain data (as from YAML) + overrides -> validated PPOConfig."""
-    from .config_checks import validate  # local import: config_checks imports this module's types
-
-    data = apply_overrides(data or {}, list(overrides), PPOConfig, VERL_RENAMES, source)
-    cfg = from_dict(PPOConfig, data, VERL_RENAMES, source)
-    validate(cfg, source)
-    return cfg
-
-
-def load_config(path_or_name: str | Path = "tiny_cpu", overrides: list[str] = ()) -> PPOConfig:
-    """Read a YAML config (file path or shipped name), apply `a.b=value` overrides, build and validate."""
-    path = resolve_config_path(path_or_name)
-    source = str(path) + (f" + {len(overrides)} override(s)" if overrides else "")
-    try:
-        data = yaml_load(path.read_text(), source=str(path))
-    except ConfigError:  # a duplicate key, already naming the file and both lines
-        raise
-    except Exception as exc:  # yaml.YAMLError or a decode error: name the file
-        raise ConfigError([f"cannot parse YAML: {exc}"], str(path)) from exc
-    return config_from_dict(data, overrides, source)
-
-
-def to_yaml(cfg: PPOConfig) -> str:
-    return yaml_dump(to_dict(cfg))
-
-
-def save_config(cfg: PPOConfig, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(to_yaml(cfg))
-
-
-def reference_markdown() -> str:
-    """The key table of docs/config.md, generated from the schema (a test keeps the docs in sync)."""
-    return reference_table(PPOConfig, VERL_SECTIONS, VERL_KEYS)

@@ -8,9 +8,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from .config import (ArchConfig, ModelConfig, OptimConfig, PPOConfig, RolloutConfig,
-                     SamplingConfig)
-from .config_io import ConfigError
+from .io import ConfigError
+from .schema import ArchConfig, ModelConfig, OptimConfig, PPOConfig, RolloutConfig, SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +307,7 @@ def _rollout_correction(rc, errs: _Errors) -> None:
     key = "algorithm.rollout_correction"
     threshold = rc.rollout_is_threshold
     if isinstance(threshold, str):
-        from .algo.rollout_correction import parse_is_threshold
+        from ..algo.rollout_correction import parse_is_threshold
 
         try:
             parse_is_threshold(threshold)
@@ -323,7 +322,7 @@ def _rollout_correction(rc, errs: _Errors) -> None:
         errs.check(rc.rollout_rs_threshold is None, f"{key}.rollout_rs_threshold",
                    f"only used when {key}.rollout_rs is set (it is null)")
         return
-    from .algo.rollout_correction import parse_rs_options, parse_rs_thresholds
+    from ..algo.rollout_correction import parse_rs_options, parse_rs_thresholds
 
     try:
         options = parse_rs_options(rc.rollout_rs)
