@@ -11,7 +11,7 @@ import sys
 COMMANDS = {
     "train": ("megatron_ppo.trainer.entry", "run PPO from a YAML config (default: configs/tiny_cpu.yaml)"),
     "preprocess": ("megatron_ppo.data.preprocess", "convert raw datasets (gsm8k) to verl-schema parquet"),
-    "convert": ("megatron_ppo.models.convert", "HF <-> Megatron checkpoint conversion (hf-to-mcore, mcore-to-hf)"),
+    "convert": ("megatron_ppo.convert.cli", "HF <-> Megatron checkpoint conversion (hf-to-mcore, mcore-to-hf)"),
 }
 
 

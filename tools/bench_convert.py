@@ -34,8 +34,8 @@ def write_random_llama(config: dict, out_dir: str, shard_bytes: int = 1 << 30) -
     """A random HF Llama checkpoint, generated tensor by tensor (memory: one shard)."""
     import torch
 
-    from megatron_ppo.models.convert_hf_io import ShardedSafetensorsWriter
-    from megatron_ppo.models.hf_mapping import arch_from_hf_config, hf_tensor_shapes
+    from megatron_ppo.convert.hf_io import ShardedSafetensorsWriter
+    from megatron_ppo.convert.mapping import arch_from_hf_config, hf_tensor_shapes
 
     os.makedirs(out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -61,10 +61,9 @@ def naive_hf_to_mcore(hf_dir: str, out_dir: str) -> dict:
 
     from megatron.core import dist_checkpointing
 
-    from megatron_ppo.models.convert import _sharded_objects, _sharded_tensors
-    from megatron_ppo.models.convert_hf_io import HFCheckpoint
-    from megatron_ppo.models.convert_mcore_io import _save_strategy, single_process_group
-    from megatron_ppo.models.hf_mapping import arch_from_hf_config, conversion_pieces, to_mcore
+    from megatron_ppo.convert.hf_io import HFCheckpoint
+    from megatron_ppo.convert.mapping import arch_from_hf_config, conversion_pieces, to_mcore
+    from megatron_ppo.convert.mcore_io import save_strategy, sharded_objects, sharded_tensors, single_process_group
 
     arch = arch_from_hf_config(hf_dir)
     ck = HFCheckpoint(hf_dir)
@@ -75,11 +74,11 @@ def naive_hf_to_mcore(hf_dir: str, out_dir: str) -> dict:
         for piece in conversion_pieces(arch, 1):
             hf = ck.read(piece.hf_names)
             for m in piece.maps:
-                state.update(_sharded_tensors(m, to_mcore(m, hf, arch), arch.num_layers, ""))
+                state.update(sharded_tensors(m, to_mcore(m, hf, arch), arch.num_layers, ""))
             if piece.layer is not None:
-                state.update(_sharded_objects("", piece.layer, arch.num_layers))
+                state.update(sharded_objects("", piece.layer, arch.num_layers))
         os.makedirs(out_dir)
-        dist_checkpointing.save(state, out_dir, sharded_strategy=_save_strategy())
+        dist_checkpointing.save(state, out_dir, sharded_strategy=save_strategy())
         seconds = time.perf_counter() - t0
     return {"seconds": seconds, "baseline": baseline}
 
@@ -101,7 +100,7 @@ def _convert_child(args) -> None:
     import transformers.models.llama.configuration_llama  # noqa: F401
     from transformers import AutoConfig  # noqa: F401
 
-    from megatron_ppo.models.convert import hf_to_mcore, mcore_to_hf
+    from megatron_ppo.convert.pipeline import hf_to_mcore, mcore_to_hf
 
     if args.mode == "hf-to-mcore":
         r = hf_to_mcore(args.src, args.dst, tp=args.tp, quiet=True)
@@ -133,8 +132,8 @@ def run_child(mode: str, src: str, dst: str, tp: int = 1, shard: str = "2GB") ->
 # Parent side
 # ------------------------------------------------------------------------------------------------------------------
 def model_facts(hf_dir: str) -> dict:
-    from megatron_ppo.models.convert_hf_io import HFCheckpoint
-    from megatron_ppo.models.hf_mapping import arch_from_hf_config, conversion_pieces
+    from megatron_ppo.convert.hf_io import HFCheckpoint
+    from megatron_ppo.convert.mapping import arch_from_hf_config, conversion_pieces
 
     arch = arch_from_hf_config(hf_dir)
     ck = HFCheckpoint(hf_dir)

@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ppo.models.convert import main  # noqa: E402
+from megatron_ppo.convert.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["mcore-to-hf", *sys.argv[1:]]))

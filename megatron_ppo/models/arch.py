@@ -1,6 +1,6 @@
 """ModelArch: the architecture of a Llama/Qwen2-family decoder, independent of parallel layout.
 
-It is what an HF config maps to (convert's ``hf_mapping.arch_from_hf_config``) and what ``build_gpt_model`` turns
+It is what an HF config maps to (``convert.mapping.arch_from_hf_config``) and what ``build_gpt_model`` turns
 into a Megatron ``TransformerConfig``; the parallel layout (TP/PP/SP) and dtype are not part of it.
 """
 from __future__ import annotations

@@ -76,7 +76,7 @@ def model_arch(cfg, role: str, vocab_size: int) -> ModelArch:
     """The role's architecture: from its HF config.json (model.path) or inline (model.arch, random init)."""
     model = cfg.model_for(role)
     if model.path is not None:
-        from megatron_ppo.models.hf_mapping import arch_from_hf_config
+        from megatron_ppo.convert.mapping import arch_from_hf_config
 
         arch = arch_from_hf_config(model.path)
         if arch.vocab_size < vocab_size:

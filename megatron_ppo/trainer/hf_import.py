@@ -18,7 +18,7 @@ def converted_checkpoint(hf_dir: str, cache_root: str) -> Path:
 
     The cache key is the HF directory's path plus the names, sizes and mtimes of its files, so replacing weights
     in place converts again."""
-    from megatron_ppo.models.convert import hf_to_mcore
+    from megatron_ppo.convert.pipeline import hf_to_mcore
 
     src = Path(hf_dir).resolve()
     if not src.is_dir():

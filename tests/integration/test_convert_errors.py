@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_ppo.models import convert_mcore_io
-from megatron_ppo.models.convert import hf_to_mcore, main as convert_main, mcore_to_hf
-from megatron_ppo.models.convert_verify import make_tiny_hf
-from megatron_ppo.models.hf_mapping import ConversionError
+from megatron_ppo.convert import mcore_io as convert_mcore_io
+from megatron_ppo.convert.cli import main as convert_main
+from megatron_ppo.convert.mapping import ConversionError
+from megatron_ppo.convert.pipeline import hf_to_mcore, mcore_to_hf
+from megatron_ppo.testing.tiny_hf import make_tiny_hf
 
 
 @pytest.fixture(scope="module")

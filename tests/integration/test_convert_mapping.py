@@ -6,11 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ppo.models.arch import ModelArch
-from megatron_ppo.models.convert_hf_io import parse_size
-from megatron_ppo.models.convert_ledger import Ledger
-from megatron_ppo.models.convert_mcore_io import chunk_coverage_problems
-from megatron_ppo.models.hf_mapping import (
+from megatron_ppo.convert.hf_io import parse_size
+from megatron_ppo.convert.ledger import Ledger
+from megatron_ppo.convert.mapping import (
     ConversionError,
     arch_from_hf_config,
     conversion_pieces,
@@ -24,6 +22,8 @@ from megatron_ppo.models.hf_mapping import (
     unpad_vocab,
     validate_layout,
 )
+from megatron_ppo.convert.mcore_io import chunk_coverage_problems
+from megatron_ppo.models.arch import ModelArch
 
 LLAMA = dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)

@@ -16,14 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ppo.models.convert import hf_to_mcore, mcore_to_hf
-from megatron_ppo.models.convert_verify import (
-    compare_hf_checkpoints,
-    load_dist_checkpoint,
-    megatron_greedy,
-    megatron_logits,
-)
-from megatron_ppo.models.hf_mapping import arch_from_hf_config
+from megatron_ppo.convert.mapping import arch_from_hf_config
+from megatron_ppo.convert.pipeline import hf_to_mcore, mcore_to_hf
+from megatron_ppo.convert.verify import load_dist_checkpoint, megatron_logits
+from megatron_ppo.testing.conversion import compare_hf_checkpoints, megatron_greedy
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / "build" / "smollm2-135m-instruct-hf"

@@ -12,16 +12,12 @@ import os
 import pytest
 import torch
 
-from megatron_ppo.models.convert import hf_to_mcore, main as convert_main, mcore_to_hf
-from megatron_ppo.models.convert_verify import (
-    TINY_KINDS as KINDS,
-    TINY_VOCAB as VOCAB,
-    compare_hf_checkpoints,
-    load_dist_checkpoint,
-    make_tiny_hf,
-    megatron_logits,
-)
-from megatron_ppo.models.hf_mapping import arch_from_hf_config
+from megatron_ppo.convert.cli import main as convert_main
+from megatron_ppo.convert.mapping import arch_from_hf_config
+from megatron_ppo.convert.pipeline import hf_to_mcore, mcore_to_hf
+from megatron_ppo.convert.verify import load_dist_checkpoint, megatron_logits
+from megatron_ppo.testing.conversion import compare_hf_checkpoints
+from megatron_ppo.testing.tiny_hf import TINY_KINDS as KINDS, TINY_VOCAB as VOCAB, make_tiny_hf
 
 TOL = 1e-4
 
@@ -91,7 +87,7 @@ def test_bf16_storage_and_sharded_hf_output(tiny_models, tmp_path):
     files = sorted(os.listdir(tmp_path / "hf_back"))
     shards = [f for f in files if f.endswith(".safetensors")]
     assert len(shards) > 3 and "model.safetensors.index.json" in files
-    from megatron_ppo.models.convert_hf_io import HFCheckpoint
+    from megatron_ppo.convert.hf_io import HFCheckpoint
 
     src, back = HFCheckpoint(hf_dir), HFCheckpoint(str(tmp_path / "hf_back"))
     assert set(src.entries) == set(back.entries)
@@ -181,10 +177,10 @@ def test_piecewise_checkpoint_equals_one_shot_dist_checkpointing_save(tiny_model
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_ppo.models.convert import _sharded_objects, _sharded_tensors
-    from megatron_ppo.models.convert_hf_io import HFCheckpoint
-    from megatron_ppo.models.convert_mcore_io import DistCheckpointReader, single_process_group
-    from megatron_ppo.models.hf_mapping import conversion_pieces, mcore_key_shapes, to_mcore
+    from megatron_ppo.convert.hf_io import HFCheckpoint
+    from megatron_ppo.convert.mapping import conversion_pieces, mcore_key_shapes, to_mcore
+    from megatron_ppo.convert.mcore_io import (DistCheckpointReader, sharded_objects, sharded_tensors,
+                                               single_process_group)
 
     hf_dir = tiny_models["qwen2_untied"]
     arch = arch_from_hf_config(hf_dir)
@@ -194,9 +190,9 @@ def test_piecewise_checkpoint_equals_one_shot_dist_checkpointing_save(tiny_model
     for piece in conversion_pieces(arch, 2):
         hf = ck.read(piece.hf_names)
         for m in piece.maps:
-            state.update(_sharded_tensors(m, to_mcore(m, hf, arch), arch.num_layers, ""))
+            state.update(sharded_tensors(m, to_mcore(m, hf, arch), arch.num_layers, ""))
         if piece.layer is not None:
-            state.update(_sharded_objects("", piece.layer, arch.num_layers))
+            state.update(sharded_objects("", piece.layer, arch.num_layers))
     (tmp_path / "one_shot").mkdir()
     with single_process_group():
         dist_checkpointing.save(state, str(tmp_path / "one_shot"), validate_access_integrity=True)

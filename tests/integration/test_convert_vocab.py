@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatron_ppo.models.arch import tiny_arch
-from megatron_ppo.models.convert import hf_to_mcore, mcore_to_hf
-from megatron_ppo.models.convert_verify import make_tiny_hf
-from megatron_ppo.models.hf_mapping import HF_EMBED, ConversionError, conversion_pieces, to_hf, to_mcore
+from megatron_ppo.convert.mapping import HF_EMBED, ConversionError, conversion_pieces, to_hf, to_mcore
+from megatron_ppo.convert.pipeline import hf_to_mcore, mcore_to_hf
+from megatron_ppo.testing.tiny_hf import make_tiny_hf
 
 ARCH = tiny_arch(vocab_size=300)  # 4 heads: padded 384 at TP 1, 512 at TP 2 and 4
 

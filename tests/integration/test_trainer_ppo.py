@@ -185,7 +185,7 @@ def test_actor_and_critic_start_from_an_hf_checkpoint(data_dir, tmp_path):
     fresh value head, the reference equals the actor, and a PPO step runs."""
     transformers = pytest.importorskip("transformers")
     from megatron_ppo import parallel
-    from megatron_ppo.models.convert_verify import megatron_logits
+    from megatron_ppo.convert.verify import megatron_logits
     from megatron_ppo.parallel.platform import disable_cpu_platform
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import PPOTrainer

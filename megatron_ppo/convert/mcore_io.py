@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_ppo.models.hf_mapping import ConversionError
+from megatron_ppo.convert.mapping import EXTRA_STATE_KEYS, ConversionError, tp_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +52,39 @@ def single_process_group():
         dist.destroy_process_group()
 
 
-def _save_strategy():
+def save_strategy():
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     # One writer thread: one .distcp file per piece and one forked writer process at a time.
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+
+
+def sharded_objects(key_prefix: str, layer: int, num_layers: int) -> dict:
+    """The weightless ``_extra_state`` ShardedObjects a trainer saves for one layer (one per EXTRA_STATE_KEYS)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    out = {}
+    for key in EXTRA_STATE_KEYS:
+        obj = ShardedObject(key_prefix + key, None, (num_layers,), (layer,), replica_id=0)
+        out[obj.unique_key] = obj
+    return out
+
+
+def sharded_tensors(m, tensor: torch.Tensor, num_layers: int, key_prefix: str) -> dict:
+    """The ShardedTensors a TP-sharded trainer would save for this tensor: one per TP shard (tp_parts chunks)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    key = key_prefix + m.mcore_key
+    layer_offsets = () if m.layer is None else ((0, m.layer, num_layers),)
+    shift = 0 if m.layer is None else 1
+    chunks = [tensor] if m.tp_axis is None else tp_chunks(tensor, m.tp_axis, m.tp_parts)
+    out = {}
+    for r, chunk in enumerate(chunks):
+        data = chunk if m.layer is None else chunk.unsqueeze(0)
+        tp_offsets = () if m.tp_axis is None else ((m.tp_axis + shift, r, m.tp_parts),)
+        out[f"{key}@{m.layer}#{r}"] = ShardedTensor.from_rank_offsets(key, data, *layer_offsets, *tp_offsets,
+                                                                      replica_id=0)
+    return out
 
 
 class DistCheckpointWriter:
@@ -78,7 +106,7 @@ class DistCheckpointWriter:
         os.makedirs(scratch)
         # The pieces are partial by design: each covers a few layers of the stacked tensors. Coverage of the whole
         # checkpoint is checked on the merged metadata (verify_coverage), not per piece.
-        dist_checkpointing.save(sharded_state_dict, scratch, sharded_strategy=_save_strategy(),
+        dist_checkpointing.save(sharded_state_dict, scratch, sharded_strategy=save_strategy(),
                                 validate_access_integrity=False)
         md = FileSystemReader(scratch).read_metadata()
         for fname in os.listdir(scratch):

@@ -2,7 +2,7 @@
 
 Everything here is pure (no I/O, no torch.distributed): which HF tensors make which Megatron checkpoint tensor,
 how they are fused (QKV per query group, gate/up for SwiGLU), how the vocabulary is padded, how a TP rank's slice
-and a PP stage's layers are found. convert.py streams checkpoints through these functions piece by piece.
+and a PP stage's layers are found. convert/pipeline.py streams checkpoints through these functions piece by piece.
 
 Megatron-side names are the keys of ``GPTModel.sharded_state_dict()`` (dist_checkpointing), not module names:
 the local spec maps ``input_layernorm.`` / ``pre_mlp_layernorm.`` to the TE-style

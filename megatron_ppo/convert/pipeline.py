@@ -1,46 +1,37 @@
-"""`megatron-ppo convert hf-to-mcore | mcore-to-hf | verify`: checkpoint conversion that streams and proves
-completeness.
+"""HF <-> Megatron checkpoint conversion, orchestrated: ``hf_to_mcore`` and ``mcore_to_hf`` stream a checkpoint
+through the mapping piece by piece and prove completeness.
 
 hf-to-mcore: an HF Llama/Qwen2 directory (safetensors, or pytorch_model*.bin read with weights_only) -> a Megatron
 dist_checkpointing (torch_dist) checkpoint loadable at any TP/PP (the format the trainer saves and resumes from),
 with the HF config and tokenizer files kept under ``<out>/hf_config``. mcore-to-hf: the way back, to sharded
 safetensors + index + config/tokenizer files.
 
-Both directions go one piece at a time (embedding, each layer, final norm + output layer; see hf_mapping.py), so
-peak memory is about one layer plus, on the HF side, the safetensors shard being filled. Outputs are written to a
-temporary sibling directory and renamed into place only after every check passed: a failed conversion leaves no
-partial output behind.
+Both directions go one piece at a time (embedding, each layer, final norm + output layer; see convert/mapping.py),
+so peak memory is about one layer plus, on the HF side, the safetensors shard being filled. Outputs are written to
+a temporary sibling directory and renamed into place only after every check passed: a failed conversion leaves no
+partial output behind. The command line is convert/cli.py.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from megatron_ppo.models.convert_hf_io import (
+from megatron_ppo.convert.hf_io import (
     HFCheckpoint,
     ShardedSafetensorsWriter,
     copy_non_weight_files,
     parse_size,
     verify_written,
 )
-from megatron_ppo.models.convert_ledger import Ledger, category_of
-from megatron_ppo.models.convert_mcore_io import (
-    DistCheckpointReader,
-    DistCheckpointWriter,
-    chunk_coverage_problems,
-    single_process_group,
-)
-from megatron_ppo.models.hf_mapping import (
+from megatron_ppo.convert.ledger import Ledger, category_of
+from megatron_ppo.convert.mapping import (
     EXTRA_STATE_KEYS,
     HF_EMBED,
     HF_LM_HEAD,
@@ -50,11 +41,19 @@ from megatron_ppo.models.hf_mapping import (
     conversion_pieces,
     hf_tensor_shapes,
     pp_layer_ranges,
-    tp_chunks,
     to_hf,
     to_mcore,
     validate_layout,
 )
+from megatron_ppo.convert.mcore_io import (
+    DistCheckpointReader,
+    DistCheckpointWriter,
+    chunk_coverage_problems,
+    sharded_objects,
+    sharded_tensors,
+    single_process_group,
+)
+from megatron_ppo.convert.report import ConversionReport, RssSampler, print_table, report_rows, rss_text
 from megatron_ppo.models.vocab_rows import vocab_rows_problem
 
 logger = logging.getLogger(__name__)
@@ -63,21 +62,6 @@ HF_CONFIG_SUBDIR = "hf_config"
 MANIFEST = "convert_manifest.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
-
-
-@dataclass
-class ConversionReport:
-    direction: str
-    out_dir: str
-    seconds: float
-    peak_rss_bytes: int  # sampled while converting (after imports)
-    peak_anon_rss_bytes: int  # the same without file-backed (memory-mapped) pages
-    baseline_rss_bytes: int  # RSS when the piece loop started
-    baseline_anon_rss_bytes: int
-    largest_piece_bytes: int  # the biggest unit held at once (a layer, the embedding, or an HF shard + a layer)
-    ledger: dict
-    files: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -112,65 +96,6 @@ def atomic_output_dir(final: str, overwrite: bool = False):
         raise
 
 
-def _rss_text() -> str:
-    import psutil
-
-    info = psutil.Process().memory_info()
-    return f"RSS {_fmt_bytes(info.rss)} (file-backed/shared {_fmt_bytes(info.shared)})"
-
-
-class RssSampler:
-    """Peak resident set size of this process while a block runs (a thread samples it every ``interval`` s).
-
-    ``baseline`` is the RSS on entry, after the imports: peak - baseline is what the conversion itself held.
-    ``peak_anon`` leaves out file-backed pages (memory-mapped safetensors), which the kernel can drop at will.
-    """
-
-    def __init__(self, interval: float = 0.005):
-        self.interval = interval
-        self.baseline = self.baseline_anon = self.peak = self.peak_anon = 0
-        self._stop = None
-
-    def _sample(self, proc) -> None:
-        info = proc.memory_info()
-        self.peak = max(self.peak, info.rss)
-        self.peak_anon = max(self.peak_anon, info.rss - info.shared)
-
-    def __enter__(self):
-        import threading
-
-        import psutil
-
-        self._proc = psutil.Process()
-        info = self._proc.memory_info()
-        self.baseline, self.baseline_anon = info.rss, info.rss - info.shared
-        self._sample(self._proc)
-        self._stop = threading.Event()
-
-        def loop():
-            while not self._stop.wait(self.interval):
-                self._sample(self._proc)
-
-        self._thread = threading.Thread(target=loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._sample(self._proc)
-
-
-def _print_table(table) -> None:
-    from rich.console import Console
-
-    Console(width=110).print(table)
-
-
-def _fmt_bytes(n: int) -> str:
-    return f"{n / 2**20:,.0f} MiB"
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # HF -> Megatron
 # ----------------------------------------------------------------------------------------------------------------
@@ -200,33 +125,6 @@ def _check_hf_inventory(arch, ck: HFCheckpoint) -> dict[str, list[str]]:
 
 def _few(names: list[str], n: int = 10) -> str:
     return f"{names[:n]}" + (f" (+{len(names) - n} more)" if len(names) > n else "")
-
-
-def _sharded_objects(key_prefix: str, layer: int, num_layers: int) -> dict:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    out = {}
-    for key in EXTRA_STATE_KEYS:
-        obj = ShardedObject(key_prefix + key, None, (num_layers,), (layer,), replica_id=0)
-        out[obj.unique_key] = obj
-    return out
-
-
-def _sharded_tensors(m, tensor: torch.Tensor, num_layers: int, key_prefix: str) -> dict:
-    """The ShardedTensors a TP-sharded trainer would save for this tensor: one per TP shard (tp_parts chunks)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    key = key_prefix + m.mcore_key
-    layer_offsets = () if m.layer is None else ((0, m.layer, num_layers),)
-    shift = 0 if m.layer is None else 1
-    chunks = [tensor] if m.tp_axis is None else tp_chunks(tensor, m.tp_axis, m.tp_parts)
-    out = {}
-    for r, chunk in enumerate(chunks):
-        data = chunk if m.layer is None else chunk.unsqueeze(0)
-        tp_offsets = () if m.tp_axis is None else ((m.tp_axis + shift, r, m.tp_parts),)
-        out[f"{key}@{m.layer}#{r}"] = ShardedTensor.from_rank_offsets(key, data, *layer_offsets, *tp_offsets,
-                                                                      replica_id=0)
-    return out
 
 
 def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
@@ -263,7 +161,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
                 largest = max(largest, nbytes)
                 writer.save_piece(piece.name, sharded)
                 del sharded
-                logger.debug("%s saved: %s", piece.name, _rss_text())
+                logger.debug("%s saved: %s", piece.name, rss_text())
             writer.finish()
         _verify_mcore_output(tmp, arch, tp, key_prefix, written_dtypes)
         ledger.check()
@@ -286,7 +184,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
                               rss.peak_anon, rss.baseline, rss.baseline_anon, largest, ledger.summary(),
                               files=sorted(os.listdir(out_dir)))
     if not quiet:
-        _print_table(ledger.table(_report_rows(report, [
+        print_table(ledger.table(report_rows(report, [
             ("layout", f"TP={tp} PP={pp}, stages hold layers "
                        + ", ".join(f"{r.start}-{r.stop - 1}" for r in pp_layer_ranges(L, pp))),
             ("padded vocab", f"{arch.vocab_size} -> {arch.padded_vocab_size(tp)}"),
@@ -322,22 +220,10 @@ def _mcore_piece(piece, ck, arch, classes, target_dtype, key_prefix, ledger, wri
             raise ConversionError(f"{m.mcore_key}: layer {m.layer} is {t.dtype}, earlier layers "
                                   f"{written_dtypes[m.mcore_key]} (one dtype per checkpoint tensor)")
         nbytes += t.numel() * t.element_size()
-        sharded.update(_sharded_tensors(m, t, arch.num_layers, key_prefix))
+        sharded.update(sharded_tensors(m, t, arch.num_layers, key_prefix))
     if piece.layer is not None:
-        sharded.update(_sharded_objects(key_prefix, piece.layer, arch.num_layers))
+        sharded.update(sharded_objects(key_prefix, piece.layer, arch.num_layers))
     return sharded, nbytes
-
-
-def _report_rows(report: ConversionReport, rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    return rows + [
-        ("time", f"{report.seconds:.1f} s"),
-        ("memory", f"peak RSS {_fmt_bytes(report.peak_rss_bytes)} = {_fmt_bytes(report.baseline_rss_bytes)} before "
-                   f"converting + {_fmt_bytes(report.peak_rss_bytes - report.baseline_rss_bytes)} "
-                   f"(anonymous: +{_fmt_bytes(report.peak_anon_rss_bytes - report.baseline_anon_rss_bytes)}); "
-                   f"largest piece held "
-                   f"{_fmt_bytes(report.largest_piece_bytes)}"),
-        ("output", report.out_dir),
-    ]
 
 
 def _verify_mcore_output(ckpt_dir: str, arch, tp: int, key_prefix: str, dtypes: dict) -> None:
@@ -469,7 +355,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, dtyp
                             writer.add(n, x)
                             ledger.write(n, x.numel())
                         del t, tensors
-                    logger.debug("%s written: %s", piece.name, _rss_text())
+                    logger.debug("%s written: %s", piece.name, rss_text())
                 files = writer.finish()
             copied = copy_non_weight_files(cfg_dir, tmp, rewrite_config=_config_dtype_update(cfg_dir, hf_dtypes))
             verify_written(tmp, plan)
@@ -480,7 +366,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, dtyp
     for note in notes:
         logger.warning(note)
     if not quiet:
-        _print_table(ledger.table(_report_rows(report, [
+        print_table(ledger.table(report_rows(report, [
             ("HF files", f"{len(files)} safetensors shard(s) + {len(copied)} config/tokenizer files"),
         ])))
     return report
@@ -505,88 +391,3 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Verification
-# ----------------------------------------------------------------------------------------------------------------
-def verify(hf_dir: str, mcore_dir: str, tokens: int = 32, batch: int = 2, seed: int = 0) -> float:
-    """Max |logit difference| between the HF model and the Megatron model (TP=1, PP=1, fp32) loaded from
-    ``mcore_dir``, on random tokens. Holds both models in memory: meant for models that fit on one machine."""
-    from transformers import AutoModelForCausalLM
-
-    from megatron_ppo import parallel
-    from megatron_ppo.models.convert_verify import load_dist_checkpoint, megatron_logits
-    from megatron_ppo.models.gpt import build_gpt_model
-
-    arch = arch_from_hf_config(hf_dir)
-    ids = torch.randint(0, arch.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(seed))
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = hf_model(ids).logits.float()
-    del hf_model
-    parallel.initialize(tp=1, pp=1)
-    try:
-        model = build_gpt_model(arch).eval()
-        load_dist_checkpoint(model, mcore_dir, strict=False)
-        got = megatron_logits(model, ids, arch.vocab_size)
-    finally:
-        parallel.destroy()
-    return float((got - want).abs().max())
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-ppo convert", description="HF <-> Megatron checkpoint conversion")
-    sub = p.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("hf-to-mcore", help="HF Llama/Qwen2 directory -> Megatron dist checkpoint")
-    a.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors/bin + tokenizer)")
-    a.add_argument("--out", required=True, help="output checkpoint directory (must not exist or be empty)")
-    a.add_argument("--tp", type=int, default=1, help="tensor parallel size to pad the vocab for and shard by")
-    a.add_argument("--pp", type=int, default=1, help="pipeline parallel size to validate the layer split for")
-    a.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="stored dtype (auto: as in the HF files)")
-    b = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors directory")
-    b.add_argument("--mcore", required=True, help="Megatron dist checkpoint directory")
-    b.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
-    b.add_argument("--hf-config", default=None,
-                   help=f"HF directory with config.json + tokenizer (default: <mcore>/{HF_CONFIG_SUBDIR})")
-    b.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="output dtype (auto: as stored)")
-    b.add_argument("--max-shard-size", default="2GB",
-                   help="largest safetensors shard, e.g. 2GB, 500MB (one shard is buffered in memory)")
-    v = sub.add_parser("verify", help="compare the logits of an HF model and its converted Megatron checkpoint")
-    v.add_argument("--hf", required=True, help="HF model directory")
-    v.add_argument("--mcore", required=True, help="Megatron dist checkpoint converted from it")
-    v.add_argument("--tokens", type=int, default=32, help="sequence length of the random test batch")
-    v.add_argument("--tol", type=float, default=1e-4, help="largest acceptable |logit difference| (fp32)")
-    for q in (a, b):
-        q.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (atomically)")
-        q.add_argument("--key-prefix", default="", help="prefix of the model's keys in the dist checkpoint")
-        q.add_argument("--quiet", action="store_true", help="do not print the summary table")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        if args.direction == "verify":
-            diff = verify(args.hf, args.mcore, tokens=args.tokens)
-            ok = diff <= args.tol
-            print(f"max |logit difference| HF vs Megatron: {diff:.3g} ({'ok' if ok else 'FAILED'}, tol {args.tol:g})")
-            return 0 if ok else 1
-        if args.direction == "hf-to-mcore":
-            hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, overwrite=args.overwrite,
-                        key_prefix=args.key_prefix, quiet=args.quiet)
-        else:
-            mcore_to_hf(args.mcore, args.out, hf_config=args.hf_config, dtype=args.dtype, overwrite=args.overwrite,
-                        max_shard_size=args.max_shard_size, key_prefix=args.key_prefix, quiet=args.quiet)
-    except ConversionError as e:
-        print(f"megatron-ppo convert {args.direction}: error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from megatron_ppo.models.hf_mapping import ConversionError
+from megatron_ppo.convert.mapping import ConversionError
 
 CATEGORIES = ("embedding", "attention", "mlp", "norm", "output")
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_ppo.models.hf_mapping import ConversionError
+from megatron_ppo.convert.mapping import ConversionError
 
 logger = logging.getLogger(__name__)
 

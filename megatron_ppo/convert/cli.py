@@ -1,0 +1,68 @@
+"""`megatron-ppo convert hf-to-mcore | mcore-to-hf | verify`: the command line of checkpoint conversion.
+
+The work is in convert/pipeline.py (both directions) and convert/verify.py (logit comparison); this module parses
+arguments, prints the one-line result or the error, and maps it to an exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from megatron_ppo.convert.mapping import ConversionError
+from megatron_ppo.convert.pipeline import DTYPES, HF_CONFIG_SUBDIR, hf_to_mcore, mcore_to_hf
+from megatron_ppo.convert.verify import verify
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-ppo convert", description="HF <-> Megatron checkpoint conversion")
+    sub = p.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-mcore", help="HF Llama/Qwen2 directory -> Megatron dist checkpoint")
+    a.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors/bin + tokenizer)")
+    a.add_argument("--out", required=True, help="output checkpoint directory (must not exist or be empty)")
+    a.add_argument("--tp", type=int, default=1, help="tensor parallel size to pad the vocab for and shard by")
+    a.add_argument("--pp", type=int, default=1, help="pipeline parallel size to validate the layer split for")
+    a.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="stored dtype (auto: as in the HF files)")
+    b = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors directory")
+    b.add_argument("--mcore", required=True, help="Megatron dist checkpoint directory")
+    b.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
+    b.add_argument("--hf-config", default=None,
+                   help=f"HF directory with config.json + tokenizer (default: <mcore>/{HF_CONFIG_SUBDIR})")
+    b.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="output dtype (auto: as stored)")
+    b.add_argument("--max-shard-size", default="2GB",
+                   help="largest safetensors shard, e.g. 2GB, 500MB (one shard is buffered in memory)")
+    v = sub.add_parser("verify", help="compare the logits of an HF model and its converted Megatron checkpoint")
+    v.add_argument("--hf", required=True, help="HF model directory")
+    v.add_argument("--mcore", required=True, help="Megatron dist checkpoint converted from it")
+    v.add_argument("--tokens", type=int, default=32, help="sequence length of the random test batch")
+    v.add_argument("--tol", type=float, default=1e-4, help="largest acceptable |logit difference| (fp32)")
+    for q in (a, b):
+        q.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (atomically)")
+        q.add_argument("--key-prefix", default="", help="prefix of the model's keys in the dist checkpoint")
+        q.add_argument("--quiet", action="store_true", help="do not print the summary table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.direction == "verify":
+            diff = verify(args.hf, args.mcore, tokens=args.tokens)
+            ok = diff <= args.tol
+            print(f"max |logit difference| HF vs Megatron: {diff:.3g} ({'ok' if ok else 'FAILED'}, tol {args.tol:g})")
+            return 0 if ok else 1
+        if args.direction == "hf-to-mcore":
+            hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, overwrite=args.overwrite,
+                        key_prefix=args.key_prefix, quiet=args.quiet)
+        else:
+            mcore_to_hf(args.mcore, args.out, hf_config=args.hf_config, dtype=args.dtype, overwrite=args.overwrite,
+                        max_shard_size=args.max_shard_size, key_prefix=args.key_prefix, quiet=args.quiet)
+    except ConversionError as e:
+        print(f"megatron-ppo convert {args.direction}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
