@@ -26,7 +26,7 @@ os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
 
 from megatron_ppo.data.dynamic_batch import balance_across_ranks, plan_micro_batches, token_imbalance  # noqa: E402
 from megatron_ppo.data.gsm8k import default_gsm8k_dir  # noqa: E402
-from megatron_ppo.data.packing import PackLayout  # noqa: E402
+from megatron_ppo.data.batch import packed_num_tokens  # noqa: E402
 from megatron_ppo.data.preprocess import preprocess_gsm8k  # noqa: E402
 from megatron_ppo.data.prompt_dataset import PromptDataset  # noqa: E402
 from megatron_ppo.data.tokenizer import gsm8k_tokenizer  # noqa: E402
@@ -58,10 +58,8 @@ def padding_waste(steps, lengths, prompt_lens, args) -> dict[str, float]:
                 real += int(seqs.sum())
                 fixed += len(mb) * (args.max_prompt_length + args.max_response_length)
                 longest += len(mb) * int(seqs.max())
-                # the layout packing really builds: a [B, S] right-padded mask -> THD stream
-                mask = torch.arange(int(seqs.max())).unsqueeze(0) < torch.as_tensor(seqs).unsqueeze(1)
-                for a in args.align:
-                    packed[a] += PackLayout.from_mask(mask, align=a).total_tokens
+                for a in args.align:  # the packed row's length, as data.batch.pack_rows builds it
+                    packed[a] += packed_num_tokens(seqs, align=a)
     out = {f"padded to max_prompt+max_response ({args.max_prompt_length}+{args.max_response_length})": 1 - real / fixed,
            "padded to the longest sequence of each micro-batch": 1 - real / longest}
     for a, total in packed.items():

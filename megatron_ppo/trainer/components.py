@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Components:
     total_steps: int
     tokenizer: object
@@ -163,9 +163,11 @@ def build_components(cfg) -> Components:
                                   temperature=cfg.rollout.temperature)
         dumper = lambda step, batch: writer.append(step, trajectory_rows(batch, tokenizer))  # noqa: E731
     eos = tokenizer.eos_token_id
-    return Components(total_steps, tokenizer, [eos] if eos is not None else [], train, val, sampler,
-                      RewardScorer.from_config(cfg.reward, cfg.data.max_response_length), actor, ref, critic,
-                      kl_ctrl, guard, tracker, dumper)
+    return Components(
+        total_steps=total_steps, tokenizer=tokenizer, eos_token_ids=[eos] if eos is not None else [],
+        train_dataset=train, val_dataset=val, sampler=sampler,
+        scorer=RewardScorer.from_config(cfg.reward, cfg.data.max_response_length),
+        actor=actor, ref=ref, critic=critic, kl_ctrl=kl_ctrl, kl_guard=guard, tracker=tracker, dumper=dumper)
 
 
 def trajectory_rows(batch, tokenizer) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from megatron_ppo.algo.advantages import masked_mean
 from megatron_ppo.algo.losses import agg_loss, compute_policy_loss, compute_value_loss, kl_penalty
 from megatron_ppo.models.logprobs import next_token_targets, vocab_parallel_logprobs_entropy
-from megatron_ppo.trainer.rollout_batch import gather_response
+from megatron_ppo.data.batch import gather_response
 
 
 def response_logprobs_entropy(logits, micro: dict, vocab_size: int, temperature: float):

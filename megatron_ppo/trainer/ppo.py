@@ -15,7 +15,7 @@ from megatron_ppo.algo.rollout_correction import compute_rollout_correction_and_
 from megatron_ppo.models.generation import SamplingParams
 from megatron_ppo import ops
 from megatron_ppo.trainer.losses import actor_loss_fn, critic_loss_fn, logprob_output_fn, value_output_fn
-from megatron_ppo.trainer.rollout_batch import RolloutBatch, pack_rows, split_rows
+from megatron_ppo.data.batch import RolloutBatch, pack_rows, split_rows
 from megatron_ppo.trainer.tracking import timed
 
 # Micro-batch metrics that are shares of the mini-batch loss (summed); all others are averaged.

@@ -92,7 +92,8 @@ def _config_classes(cls=C.PPOConfig) -> set[type]:
 
 class ReadRecorder:
     """Records 'dotted.key' for each field read on the registered config tree, except reads by dataclass-generated
-    methods (__eq__, __repr__) and by the config machinery (config/io.py: to_dict/YAML; config/checks.py: validation)."""
+    methods (__eq__, __repr__) and by the config machinery (config/io.py: to_dict/YAML;
+    config/checks.py: validation)."""
 
     MACHINERY = ("megatron_ppo/config/io.py", "megatron_ppo/config/checks.py")
 

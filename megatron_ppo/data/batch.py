@@ -1,0 +1,121 @@
+"""The rollout batch the driver and the workers pass around, and its packed micro-batches for the models: the one
+packer of the project.
+
+Layout (THD): sequences are prompt + response with no padding between tokens, packed into one [1, T] row with
+``cu_seqlens`` (int32 [b+1]). Rotary positions restart per sequence, so a recomputed log-prob equals the one
+generation produced (left-padded rows would shift them). With ``align > 1`` each sequence is padded at its end to a
+multiple of ``align`` (tensor parallelism with sequence parallelism needs T to be a multiple of TP, context
+parallelism 2*CP*TP) and ``cu_seqlens`` includes that padding, as verl's Megatron path does: the slots sit after a
+sequence's last token, so under causal attention no real token attends to them.
+
+Per-token quantities live in verl's layout, [B, R] right-padded over the response, and ``resp_pos`` maps that layout
+into the packed row: response token j of row i is predicted at packed position start_i + P_i + j - 1.
+
+Micro-batches: a fixed number of rows (``split_rows``) or a token budget (``micro_batches_by_tokens``, on
+``data.dynamic_batch.plan_micro_batches``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from megatron_ppo.data.dynamic_batch import plan_micro_batches
+from megatron_ppo.models.forward import pack_sequences
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: list[torch.Tensor]  # B 1-D long tensors
+    responses: torch.Tensor  # [B, R] long, padded after each response
+    response_mask: torch.Tensor  # [B, R] float32, 1 on response tokens (eos included); never changed after rollout
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token [B, R] (or per-row [B]) values
+    meta: dict[str, list] = field(default_factory=dict)  # per-row python values (data_source, ground truth, ...)
+
+    @property
+    def size(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """The tokens losses and statistics count: response_mask, minus rejected tokens once rejection ran."""
+        return self.tensors.get("loss_mask", self.response_mask)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1).long()
+
+    def num_tokens(self, rows) -> int:
+        lengths = self.response_lengths
+        return int(sum(self.prompt_ids[i].numel() + int(lengths[i]) for i in rows))
+
+
+def _check_align(align: int) -> None:
+    if align < 1:
+        raise ValueError(f"align={align} must be >= 1 (TP with sequence parallelism: TP; context parallelism: "
+                         "2*CP*TP)")
+
+
+def packed_num_tokens(lengths: Sequence[int], align: int = 1) -> int:
+    """Length T of the packed row of sequences of these lengths, each padded to a multiple of ``align``."""
+    _check_align(align)
+    return sum(-(-int(n) // align) * align for n in lengths)
+
+
+def pack_rows(batch: RolloutBatch, rows: list[int], keys: tuple[str, ...] = (), align: int = 1) -> dict:
+    """One packed micro-batch of ``rows``: input_ids [1, T], cu_seqlens, resp_pos [b, R], plus ``keys`` from
+    batch.tensors (indexed by rows), the response mask (which tokens exist) and the loss mask (which of them the
+    losses count: the response mask minus tokens rejected by rollout correction). ``align``: pad each sequence
+    to a multiple of it (see the module docstring); resp_pos never points into that padding."""
+    if not rows:
+        raise ValueError("pack_rows: no rows")
+    _check_align(align)
+    lengths = batch.response_lengths
+    width = batch.responses.shape[1]
+    sequences = [torch.cat([batch.prompt_ids[i], batch.responses[i, : int(lengths[i])]]) for i in rows]
+    input_ids, cu_seqlens = pack_sequences(sequences, align=align)
+    steps = torch.arange(width)
+    resp_pos = torch.stack([
+        (int(cu_seqlens[k]) + batch.prompt_ids[i].numel() - 1 + steps).clamp(
+            max=int(cu_seqlens[k]) + sequences[k].numel() - 1)  # past the response: its last real token
+        for k, i in enumerate(rows)
+    ])
+    index = torch.as_tensor(rows, dtype=torch.long)
+    micro = {"input_ids": input_ids, "cu_seqlens": cu_seqlens, "resp_pos": resp_pos,
+             "response_mask": batch.response_mask[index], "loss_mask": batch.loss_mask[index]}
+    for key in keys:
+        micro[key] = batch.tensors[key][index]
+    return micro
+
+
+def split_rows(rows: list[int], size: int) -> list[list[int]]:
+    """Consecutive chunks of at most ``size`` rows."""
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    return [rows[i: i + size] for i in range(0, len(rows), size)]
+
+
+def micro_batches_by_tokens(batch: RolloutBatch, rows: list[int], max_tokens: int, align: int = 1,
+                            **plan_options) -> list[list[int]]:
+    """``rows`` cut into micro-batches whose packed length (``pack_rows(..., align=align)``) is <= max_tokens
+    (use_dynamic_bsz / ppo_max_token_len_per_gpu), every row in exactly one, balanced by
+    ``data.dynamic_batch.plan_micro_batches`` (``plan_options``: min_num_micro_batches, divisible_by, balance,
+    reduce_max for agreeing on the count across DP ranks). Returns lists of rows, each in ascending position in
+    ``rows``; for rows = range(B), ``dynamic_batch.restore_order(outputs, plan)`` puts outputs back in row order."""
+    if not rows:
+        raise ValueError("micro_batches_by_tokens: no rows")
+    responses = batch.response_lengths
+    lengths = [packed_num_tokens([batch.prompt_ids[i].numel() + int(responses[i])], align) for i in rows]
+    for row, n in zip(rows, lengths):
+        if n > max_tokens:
+            raise ValueError(f"row {row} has {n} tokens (prompt + response, aligned to {align}) > max_tokens="
+                             f"{max_tokens} (ppo_max_token_len_per_gpu); a sequence cannot be split across "
+                             "micro-batches")
+    plan = plan_micro_batches([lengths], max_tokens, **plan_options)[0]
+    return [[rows[j] for j in micro] for micro in plan]
+
+
+def gather_response(per_token: torch.Tensor, micro: dict) -> torch.Tensor:
+    """[1, T] (or [T]) packed per-token values -> [b, R] in the response layout."""
+    return per_token.reshape(-1)[micro["resp_pos"]]
