@@ -50,7 +50,7 @@ def cases(batch: int, length: int, vocab: int):
 
     # public(mask): the mask is an argument so that a fresh copy (not yet validated) can be passed
     return mask_f, {
-        "`masked_whiten`": (lambda m: A.masked_whiten(x, m), lambda: A._masked_whiten(x, mask_b)),
+        "`masked_whiten`": (lambda m: A.masked_whiten(x, m), lambda: A.masked_whiten_unchecked(x, mask_b)),
         "`agg_loss` (token-mean)": (lambda m: L.agg_loss(x, m, "token-mean"),
                                     lambda: L._agg_loss(x, mask_b, "token-mean", 1, None, None, None)),
         "`compute_rollout_correction_weights` (token TIS)": (

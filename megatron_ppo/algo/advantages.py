@@ -19,23 +19,24 @@ WHITEN_EPS = 1e-8  # verl's variance floor inside masked_whiten
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# masked statistics: public functions validate, the underscored ones are the math (bool masks, no checks)
+# masked statistics: the plain names validate their inputs; the *_unchecked ones are the math alone (a bool mask
+# already checked by the caller, no checks, no host sync), shared with the other algo modules
 
 
-def _masked_sum(values: torch.Tensor, mask: torch.Tensor, axis=None) -> torch.Tensor:
+def masked_sum_unchecked(values: torch.Tensor, mask: torch.Tensor, axis=None) -> torch.Tensor:
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     summed = torch.where(mask, values, zero)
     return summed.sum() if axis is None else summed.sum(dim=axis)
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor, axis=None) -> torch.Tensor:
+def masked_mean_unchecked(values: torch.Tensor, mask: torch.Tensor, axis=None) -> torch.Tensor:
     count = mask.sum() if axis is None else mask.sum(dim=axis)
-    return _masked_sum(values, mask, axis) / count.to(values.dtype).clamp_min(1)
+    return masked_sum_unchecked(values, mask, axis) / count.to(values.dtype).clamp_min(1)
 
 
-def _masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    mean = _masked_mean(values, mask)
-    var = _masked_mean((values - mean) ** 2, mask)
+def masked_var_unchecked(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    mean = masked_mean_unchecked(values, mask)
+    var = masked_mean_unchecked((values - mean) ** 2, mask)
     if unbiased:
         count = mask.sum().to(values.dtype)
         # Bessel's correction; with fewer than 2 valid values the unbiased variance is undefined -> 0 (documented).
@@ -43,9 +44,9 @@ def _masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True)
     return var
 
 
-def _masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    mean = _masked_mean(values, mask)
-    var = _masked_var(values, mask, unbiased=True)
+def masked_whiten_unchecked(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    mean = masked_mean_unchecked(values, mask)
+    var = masked_var_unchecked(values, mask, unbiased=True)
     count = mask.sum()
     # Fewer than 2 valid values: no spread to divide by, so only centre (scale 1). Branch-free: no host sync.
     scale = torch.where(count >= 2, torch.rsqrt(var + WHITEN_EPS), torch.ones_like(var))
@@ -64,17 +65,17 @@ def _check_values_mask(values, mask, values_name: str = "values", mask_name: str
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis=None) -> torch.Tensor:
     """Sum of ``values`` where ``mask`` is 1 (values elsewhere, even NaN, are ignored)."""
-    return _masked_sum(values, _check_values_mask(values, mask), axis)
+    return masked_sum_unchecked(values, _check_values_mask(values, mask), axis)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis=None) -> torch.Tensor:
     """Mean over valid positions; 0 where there are none (verl: same, via its +1e-8 denominator)."""
-    return _masked_mean(values, _check_values_mask(values, mask), axis)
+    return masked_mean_unchecked(values, _check_values_mask(values, mask), axis)
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance over all valid positions. Unbiased with < 2 valid values: 0 (verl raises ValueError)."""
-    return _masked_var(values, _check_values_mask(values, mask), unbiased)
+    return masked_var_unchecked(values, _check_values_mask(values, mask), unbiased)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
@@ -83,7 +84,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     With fewer than 2 valid values the variance is undefined: the result is only centred (``values - mean``,
     scale 1; with 0 valid values mean = 0 so ``values`` come back unchanged). verl raises in that case.
     """
-    return _masked_whiten(values, _check_values_mask(values, mask), shift_mean)
+    return masked_whiten_unchecked(values, _check_values_mask(values, mask), shift_mean)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -181,7 +182,7 @@ def compute_grpo_outcome_advantage(
     gid, n_groups = _group_ids(index, token_level_rewards.shape[0], token_level_rewards.device)
 
     with torch.no_grad():
-        scores = _masked_sum(token_level_rewards, mask, axis=-1)
+        scores = masked_sum_unchecked(token_level_rewards, mask, axis=-1)
         dtype, device = scores.dtype, scores.device
         count = torch.zeros(n_groups, dtype=dtype, device=device).index_add_(0, gid, torch.ones_like(scores))
         mean = torch.zeros(n_groups, dtype=dtype, device=device).index_add_(0, gid, scores) / count.clamp_min(1)

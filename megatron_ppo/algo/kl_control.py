@@ -13,8 +13,8 @@ from fractions import Fraction
 import torch
 
 from megatron_ppo.algo import checks
-from megatron_ppo.algo.advantages import _masked_mean
-from megatron_ppo.algo.losses import _kl_forward, parse_kl_type
+from megatron_ppo.algo.advantages import masked_mean_unchecked
+from megatron_ppo.algo.losses import kl_estimate, parse_kl_type
 
 KL_CONTROLLER_TYPES = ("fixed", "adaptive", "phased")
 _CONTROLLER_KEYS = ("kl_coef", "target_kl", "horizon", "phases", "total_steps")
@@ -182,11 +182,11 @@ def apply_kl_penalty(
     checks.finite(ref_log_prob, "ref_log_prob", mask)
     kind, _ = parse_kl_type(kl_penalty)  # "+" only changes gradients; rewards carry none
     with torch.no_grad():
-        kld = _kl_forward(old_log_prob, ref_log_prob, kind)
+        kld = kl_estimate(old_log_prob, ref_log_prob, kind)
         kld = torch.where(mask, kld, torch.zeros((), dtype=kld.dtype, device=kld.device))
         beta = kl_ctrl.value
         rewards = token_level_scores - beta * kld
-        current_kl = _masked_mean(kld, mask, axis=-1).mean().item() if kld.shape[0] else 0.0
+        current_kl = masked_mean_unchecked(kld, mask, axis=-1).mean().item() if kld.shape[0] else 0.0
     kl_ctrl.update(current_kl=current_kl, n_steps=token_level_scores.shape[0])
     return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 

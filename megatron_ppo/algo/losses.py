@@ -11,7 +11,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from megatron_ppo.algo import checks
-from megatron_ppo.algo.advantages import _masked_mean, _masked_sum, _masked_var
+from megatron_ppo.algo.advantages import masked_mean_unchecked, masked_sum_unchecked, masked_var_unchecked
 
 AGG_LOSS_MODES = (
     "token-mean",
@@ -36,12 +36,12 @@ def _agg_loss(loss_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_b
                 raise ValueError("batch_num_tokens (valid tokens in the global batch) is required when dp_size > 1")
             batch_num_tokens = mask.sum().to(loss_mat.dtype)
         denom = batch_num_tokens.clamp_min(1) if isinstance(batch_num_tokens, torch.Tensor) else max(batch_num_tokens, 1)
-        return _masked_sum(loss_mat, mask) / denom * dp_size
+        return masked_sum_unchecked(loss_mat, mask) / denom * dp_size
     if loss_agg_mode == "token-sum":
         # DP ranks average gradients; scaling by dp_size makes that the global token sum.
-        return _masked_sum(loss_mat, mask) * dp_size
+        return masked_sum_unchecked(loss_mat, mask) * dp_size
     seq_valid = mask.any(dim=-1)
-    seq_losses = _masked_sum(loss_mat, mask, axis=-1)
+    seq_losses = masked_sum_unchecked(loss_mat, mask, axis=-1)
     if loss_agg_mode == "seq-mean-token-mean":
         seq_losses = seq_losses / mask.sum(dim=-1).to(loss_mat.dtype).clamp_min(1)
     if global_batch_size is None:
@@ -49,7 +49,7 @@ def _agg_loss(loss_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_b
             raise ValueError("global_batch_size (sequences in the global batch) is required when dp_size > 1")
         global_batch_size = seq_valid.sum().to(loss_mat.dtype)
     denom = global_batch_size.clamp_min(1) if isinstance(global_batch_size, torch.Tensor) else max(global_batch_size, 1)
-    loss = _masked_sum(seq_losses, seq_valid) / denom * dp_size
+    loss = masked_sum_unchecked(seq_losses, seq_valid) / denom * dp_size
     if loss_agg_mode == "seq-mean-token-sum-norm":
         loss = loss / (loss_scale_factor if loss_scale_factor is not None else max(mask.shape[-1], 1))
     return loss
@@ -156,9 +156,9 @@ def compute_policy_loss(
         dtype = log_prob.dtype
         metrics = {
             "actor/pg_loss": loss.detach(),
-            "actor/pg_clipfrac": _masked_mean((losses_clipped > losses_unclipped).to(dtype), mask),
-            "actor/pg_clipfrac_lower": _masked_mean(((losses_ppo > losses_dual) & negative).to(dtype), mask),
-            "actor/ppo_kl": _masked_mean(-log_ratio.detach(), mask),
+            "actor/pg_clipfrac": masked_mean_unchecked((losses_clipped > losses_unclipped).to(dtype), mask),
+            "actor/pg_clipfrac_lower": masked_mean_unchecked(((losses_ppo > losses_dual) & negative).to(dtype), mask),
+            "actor/ppo_kl": masked_mean_unchecked(-log_ratio.detach(), mask),
         }
     return loss, metrics
 
@@ -198,7 +198,7 @@ def compute_value_loss(
     losses_clipped = (vpred_clipped - returns) ** 2
     loss = 0.5 * _agg_loss(torch.maximum(losses_unclipped, losses_clipped), mask, loss_agg_mode, *agg_args)
     with torch.no_grad():
-        clipfrac = _masked_mean((losses_clipped > losses_unclipped).to(vpreds.dtype), mask)
+        clipfrac = masked_mean_unchecked((losses_clipped > losses_unclipped).to(vpreds.dtype), mask)
     return loss, clipfrac
 
 
@@ -211,7 +211,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mas
     checks.finite(values, "values", mask)
     checks.finite(returns, "returns", mask)
     with torch.no_grad():
-        ev = 1.0 - _masked_var(returns - values, mask) / (_masked_var(returns, mask) + 1e-5)
+        ev = 1.0 - masked_var_unchecked(returns - values, mask) / (masked_var_unchecked(returns, mask) + 1e-5)
         return torch.where(mask.sum() >= 2, ev, torch.zeros_like(ev))
 
 
@@ -284,7 +284,7 @@ def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 20
 # KL estimators
 
 
-def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
+def kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
     if kind in ("kl", "k1"):
         return logprob - ref_logprob
     if kind == "abs":
@@ -328,7 +328,7 @@ def kl_penalty(
     checks.finite(logprob, "logprob", valid)
     checks.finite(ref_logprob, "ref_logprob", valid)
 
-    forward = _kl_forward(logprob, ref_logprob, base)
+    forward = kl_estimate(logprob, ref_logprob, base)
     if not straight_through:
         return forward
     backward = 0.5 * (logprob - ref_logprob).square()

@@ -17,7 +17,7 @@ import math
 import torch
 
 from megatron_ppo.algo import checks
-from megatron_ppo.algo.advantages import _masked_mean, _masked_sum
+from megatron_ppo.algo.advantages import masked_mean_unchecked, masked_sum_unchecked
 
 SAFETY_BOUND = 20.0  # log-space clamp before exp, as verl
 IS_LEVELS = ("token", "sequence")
@@ -67,8 +67,8 @@ def _masked_min(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _clamped_std(values: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """Population std of values clamped to [low, high] (verl's outlier-robust std); 0 with < 2 valid tokens."""
     clamped = values.clamp(min=low, max=high)
-    mean = _masked_mean(clamped, mask)
-    std = torch.sqrt(torch.clamp(_masked_mean(clamped.square(), mask) - mean.square(), min=0.0))
+    mean = masked_mean_unchecked(clamped, mask)
+    std = torch.sqrt(torch.clamp(masked_mean_unchecked(clamped.square(), mask) - mean.square(), min=0.0))
     return torch.where(mask.sum() > 1, std, torch.zeros_like(std))
 
 
@@ -174,29 +174,29 @@ def _is_metrics(weights, raw, log_ratio_for_metrics, mask, level, upper, lower) 
         # per-sequence log-weights (all rows, as verl): unclamped min, max clamped at the safety bound
         m["rollout_is_max"] = torch.exp(torch.clamp(log_ratio_for_metrics.max(), max=SAFETY_BOUND))
         m["rollout_is_min"] = torch.exp(log_ratio_for_metrics.min())
-        m["rollout_is_mean"] = _masked_mean(weights, mask)
+        m["rollout_is_mean"] = masked_mean_unchecked(weights, mask)
         m["rollout_is_ratio_fraction_high"] = _frac(log_ratio_for_metrics > log_upper)
         m["rollout_is_ratio_fraction_low"] = _frac(log_ratio_for_metrics < log_lower)
     else:
-        m["rollout_is_mean"] = _masked_mean(weights, mask)
-        m["rollout_is_ratio_fraction_high"] = _masked_mean((raw > upper).to(weights.dtype), mask)
-        m["rollout_is_ratio_fraction_low"] = _masked_mean((raw < lower).to(weights.dtype), mask)
+        m["rollout_is_mean"] = masked_mean_unchecked(weights, mask)
+        m["rollout_is_ratio_fraction_high"] = masked_mean_unchecked((raw > upper).to(weights.dtype), mask)
+        m["rollout_is_ratio_fraction_low"] = masked_mean_unchecked((raw < lower).to(weights.dtype), mask)
         m["rollout_is_max"] = _masked_max(weights, mask)
         m["rollout_is_min"] = _masked_min(weights, mask)
     m["rollout_is_std"] = _clamped_std(weights, mask, 0.0, upper)
     # Effective sample size as a fraction of the tokens: 1 / E[(w / E[w])^2]; all-zero weights -> 0.
     clamped = weights.clamp(min=0.0, max=upper)
-    second_moment = _masked_mean((clamped / (_masked_mean(clamped, mask) + 1e-8)).square(), mask)
+    second_moment = masked_mean_unchecked((clamped / (masked_mean_unchecked(clamped, mask) + 1e-8)).square(), mask)
     m["rollout_is_eff_sample_size"] = torch.where(second_moment > 0, 1.0 / second_moment,
                                                   torch.zeros_like(second_moment))
-    seq_mean = _masked_mean(weights, mask, axis=-1)
+    seq_mean = masked_mean_unchecked(weights, mask, axis=-1)
     m["rollout_is_seq_mean"] = seq_mean.mean()
     m["rollout_is_seq_std"] = _std(seq_mean)
     m["rollout_is_seq_max"] = seq_mean.max()
     m["rollout_is_seq_min"] = seq_mean.min()
     m["rollout_is_seq_max_deviation"] = (seq_mean - 1.0).abs().max()
     # from the raw per-sequence means: truncated weights can never exceed the threshold
-    raw_seq_mean = _masked_mean(raw, mask, axis=-1)
+    raw_seq_mean = masked_mean_unchecked(raw, mask, axis=-1)
     m["rollout_is_seq_fraction_high"] = _frac(raw_seq_mean > upper)
     m["rollout_is_seq_fraction_low"] = _frac(raw_seq_mean < lower)
     return m
@@ -210,7 +210,7 @@ def _rollout_correction_weights(log_ratio, mask, rollout_is, threshold, batch_no
             log_ratio_for_metrics = log_ratio
             raw = torch.exp(torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND))
         else:  # one weight per sequence: the product of its token ratios
-            log_ratio_for_metrics = _masked_sum(log_ratio, mask, axis=-1).unsqueeze(-1)
+            log_ratio_for_metrics = masked_sum_unchecked(log_ratio, mask, axis=-1).unsqueeze(-1)
             raw = torch.exp(torch.clamp(log_ratio_for_metrics, min=-SAFETY_BOUND, max=SAFETY_BOUND))
             raw = raw.expand_as(log_ratio)
         raw = torch.where(mask, raw, zero)
@@ -220,12 +220,12 @@ def _rollout_correction_weights(log_ratio, mask, rollout_is, threshold, batch_no
             weights = torch.where((raw >= lower) & (raw <= upper), raw, zero)
         metrics = _is_metrics(weights, raw, log_ratio_for_metrics, mask, rollout_is, upper, lower)
         if lower is not None:
-            metrics["rollout_is_oob_ratio"] = _masked_mean(((raw < lower) | (raw > upper)).to(raw.dtype), mask)
+            metrics["rollout_is_oob_ratio"] = masked_mean_unchecked(((raw < lower) | (raw > upper)).to(raw.dtype), mask)
         if batch_normalize:  # mean weight 1 over tokens (token level) or over sequences (sequence level)
             if rollout_is == "token":
-                mean = _masked_mean(weights, mask)
+                mean = masked_mean_unchecked(weights, mask)
             else:
-                mean = _masked_mean(_masked_mean(weights, mask, axis=-1), mask.any(dim=-1))
+                mean = masked_mean_unchecked(masked_mean_unchecked(weights, mask, axis=-1), mask.any(dim=-1))
             factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
             weights = weights / factor
             metrics["rollout_is_batch_norm_factor"] = factor
@@ -260,17 +260,17 @@ def compute_rollout_correction_weights(
 def _rs_metrics(option, stat, mask, seq_valid, level, seq_stat, upper, lower, apply_lower) -> dict:
     prefix = f"rollout_rs_{option}"
     dtype = stat.dtype
-    seq_values = seq_stat if seq_stat is not None else _masked_mean(stat, mask, axis=-1)
+    seq_values = seq_stat if seq_stat is not None else masked_mean_unchecked(stat, mask, axis=-1)
     seq_values = seq_values[seq_valid]
-    m: dict = {f"{prefix}_mean": _masked_mean(stat, mask)}
+    m: dict = {f"{prefix}_mean": masked_mean_unchecked(stat, mask)}
     if level == "sequence":
         m[f"{prefix}_max"], m[f"{prefix}_min"] = seq_values.max(), seq_values.min()
         high = _frac(seq_values > upper)
         low = _frac(seq_values < lower) if apply_lower else 0.0
     else:
         m[f"{prefix}_max"], m[f"{prefix}_min"] = _masked_max(stat, mask), _masked_min(stat, mask)
-        high = _masked_mean((stat > upper).to(dtype), mask)
-        low = _masked_mean((stat < lower).to(dtype), mask) if apply_lower else 0.0
+        high = masked_mean_unchecked((stat > upper).to(dtype), mask)
+        low = masked_mean_unchecked((stat < lower).to(dtype), mask) if apply_lower else 0.0
     m[f"{prefix}_fraction_high"], m[f"{prefix}_fraction_low"] = high, low
     m[f"{prefix}_std"] = _clamped_std(stat, mask, lower if apply_lower else 0.0, upper)
     m[f"{prefix}_seq_mean"] = seq_values.mean()
@@ -302,9 +302,9 @@ def _rejection_mask(log_ratio, mask, rollout_rs, rollout_rs_threshold):
             stat = token_stats[estimator]
             seq_stat = None
             if option.startswith("seq_sum"):
-                seq_stat = _masked_sum(stat, mask, axis=-1)
+                seq_stat = masked_sum_unchecked(stat, mask, axis=-1)
             elif option.startswith("seq_mean"):
-                seq_stat = _masked_mean(stat, mask, axis=-1)
+                seq_stat = masked_mean_unchecked(stat, mask, axis=-1)
             elif option.startswith("seq_max"):
                 seq_stat = stat.masked_fill(~mask, float("-inf")).max(dim=-1).values
                 seq_stat = torch.where(torch.isneginf(seq_stat), torch.zeros_like(seq_stat), seq_stat)
@@ -316,12 +316,12 @@ def _rejection_mask(log_ratio, mask, rollout_rs, rollout_rs_threshold):
             metrics.update(_rs_metrics(option, per_token, mask, seq_valid, level, seq_stat, upper,
                                        lower if is_k1 else 0.0, is_k1))
             rejected = ~option_keep & mask
-            metrics[f"rollout_rs_{option}_masked_fraction"] = _masked_mean(rejected.to(log_ratio.dtype), mask)
-            metrics[f"rollout_rs_{option}_seq_masked_fraction"] = _masked_mean(
+            metrics[f"rollout_rs_{option}_masked_fraction"] = masked_mean_unchecked(rejected.to(log_ratio.dtype), mask)
+            metrics[f"rollout_rs_{option}_seq_masked_fraction"] = masked_mean_unchecked(
                 rejected.any(dim=-1).to(log_ratio.dtype), seq_valid)
             keep &= option_keep
         rejected = ~keep & mask
-        metrics["rollout_rs_masked_fraction"] = _masked_mean(rejected.to(log_ratio.dtype), mask)
+        metrics["rollout_rs_masked_fraction"] = masked_mean_unchecked(rejected.to(log_ratio.dtype), mask)
         metrics["rollout_rs_seq_masked_fraction"] = _frac(rejected.any(dim=-1))  # over all rows, as verl
     return keep, metrics
 
@@ -350,14 +350,14 @@ def compute_rollout_rejection_mask(
 
 def _offpolicy_metrics(old_log_prob, rollout_log_prob, mask) -> dict:
     with torch.no_grad():
-        train_mean = _masked_mean(old_log_prob, mask, axis=-1)
+        train_mean = masked_mean_unchecked(old_log_prob, mask, axis=-1)
         m: dict = {"training_ppl": torch.exp(-train_mean).mean(), "training_log_ppl": (-train_mean).mean()}
         if rollout_log_prob is None:
             return m
         log_ratio = old_log_prob - rollout_log_prob
-        m["kl"] = _masked_mean(-log_ratio, mask)  # KL(pi_rollout || pi_train), direct (k1) estimator
-        m["k3_kl"] = _masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask)
-        rollout_mean = _masked_mean(rollout_log_prob, mask, axis=-1)
+        m["kl"] = masked_mean_unchecked(-log_ratio, mask)  # KL(pi_rollout || pi_train), direct (k1) estimator
+        m["k3_kl"] = masked_mean_unchecked(torch.exp(log_ratio) - log_ratio - 1, mask)
+        rollout_mean = masked_mean_unchecked(rollout_log_prob, mask, axis=-1)
         m["rollout_ppl"] = torch.exp(-rollout_mean).mean()
         m["rollout_log_ppl"] = (-rollout_mean).mean()
         log_ppl_diff = rollout_mean - train_mean
@@ -367,8 +367,8 @@ def _offpolicy_metrics(old_log_prob, rollout_log_prob, mask) -> dict:
         m["log_ppl_diff_min"] = log_ppl_diff.min()
         m["ppl_ratio"] = torch.exp(log_ppl_diff).mean()
         rho = torch.exp(torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND))
-        m["chi2_token"] = _masked_mean(rho.square(), mask) - 1.0
-        seq_log_ratio = torch.clamp(_masked_sum(log_ratio, mask, axis=-1), min=-SAFETY_BOUND, max=SAFETY_BOUND)
+        m["chi2_token"] = masked_mean_unchecked(rho.square(), mask) - 1.0
+        seq_log_ratio = torch.clamp(masked_sum_unchecked(log_ratio, mask, axis=-1), min=-SAFETY_BOUND, max=SAFETY_BOUND)
         m["chi2_seq"] = torch.exp(2.0 * seq_log_ratio).mean() - 1.0
     return m
 

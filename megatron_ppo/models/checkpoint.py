@@ -14,13 +14,9 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from megatron_ppo.models.unwrap import unwrap_model
+
 META_FILE = "megatron_ppo_model.json"
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _rank() -> int:
@@ -36,7 +32,7 @@ def save_checkpoint(model, directory: str, optimizer=None) -> None:
     """Save this rank's shards of ``model`` (and ``optimizer``) into ``directory`` (collective over all ranks)."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    core = _unwrap(model)
+    core = unwrap_model(model)
     directory = os.path.abspath(directory)
     tmp = directory + ".tmp"
     if _rank() == 0:
@@ -80,7 +76,7 @@ def load_checkpoint(model, directory: str, optimizer=None) -> dict:
     """Load ``directory`` into ``model`` (and ``optimizer``) at the current layout; returns the checkpoint meta."""
     from megatron.core import dist_checkpointing
 
-    core = _unwrap(model)
+    core = unwrap_model(model)
     meta = read_checkpoint_meta(directory)
     role = getattr(core, "role", None)
     value_roles = ("critic", "reward")

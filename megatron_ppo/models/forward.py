@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_ppo.models.unwrap import unwrap_model
+
 
 def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int | None = None) -> PackedSeqParams:
     """THD PackedSeqParams for self-attention over packed sequences bounded by ``cu_seqlens``."""
@@ -44,12 +46,6 @@ def pack_sequences(sequences: list[torch.Tensor], align: int = 1, pad_id: int = 
     return ids, torch.tensor(bounds, dtype=torch.int32, device=ids.device)
 
 
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def model_forward(model, batch: dict):
     """Run ``model`` (this pipeline stage) on one micro-batch; returns the stage's output tensor.
 
@@ -68,7 +64,7 @@ def model_forward(model, batch: dict):
         if int(cu[-1]) != input_ids.shape[1]:
             raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but input_ids has {input_ids.shape[1]} tokens")
         psp = packed_seq_params(cu)
-    config = _unwrap(model).config
+    config = unwrap_model(model).config
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if config.sequence_parallel and input_ids.shape[1] % tp:
         raise ValueError(f"sequence parallel needs the sequence length ({input_ids.shape[1]}) to be a multiple of "

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_ppo.models.unwrap import unwrap_model
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -90,12 +92,6 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 class _StageRunner:
     """One forward step of this pipeline stage, passing hidden states between stages (PP > 1)."""
 
@@ -104,7 +100,7 @@ class _StageRunner:
         from megatron.core.inference.contexts import StaticInferenceContext
 
         self.model = model
-        self.core = _unwrap(model)
+        self.core = unwrap_model(model)
         self.ps = ps
         self.first = ps.is_pipeline_first_stage(ignore_virtual=True)
         self.last = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -131,7 +127,7 @@ class _StageRunner:
 
 @contextlib.contextmanager
 def _no_sequence_parallel(model):
-    core = _unwrap(model)
+    core = unwrap_model(model)
     if not core.config.sequence_parallel:
         yield
         return
@@ -177,7 +173,7 @@ def generate(model, prompts: list[torch.Tensor], params: SamplingParams, *, use_
     for i, p in enumerate(prompts):
         if p.dim() != 1 or p.numel() == 0:
             raise ValueError(f"generate: prompt {i} must be a non-empty 1-D token tensor, got shape {tuple(p.shape)}")
-    core = _unwrap(model)
+    core = unwrap_model(model)
     vocab = core.arch.vocab_size if hasattr(core, "arch") else core.vocab_size
     device = next(core.parameters()).device
     b, r = len(prompts), params.max_response_length

@@ -18,16 +18,11 @@ from functools import partial
 import torch
 
 from megatron_ppo.models.forward import model_forward
+from megatron_ppo.models.unwrap import unwrap_model
 
 
 def _as_list(model):
     return list(model) if isinstance(model, (list, tuple)) else [model]
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def forward_backward(model, micro_batches: list[dict], loss_fn, *, forward_only: bool = False) -> list[dict]:
@@ -50,7 +45,7 @@ def forward_backward(model, micro_batches: list[dict], loss_fn, *, forward_only:
         batch = next(data_iterator)
         return model_forward(stage_model, batch), partial(_loss, batch)
 
-    config = _unwrap(chunks[0]).config
+    config = unwrap_model(chunks[0]).config
     seq_len = max(int(b["input_ids"].shape[1]) for b in micro_batches)
     mbs = max(int(b["input_ids"].shape[0]) for b in micro_batches)
     if not config.variable_seq_lengths and len({tuple(b["input_ids"].shape) for b in micro_batches}) > 1:

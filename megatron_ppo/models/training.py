@@ -1,4 +1,4 @@
-"""Megatron DDP + optimizer around a model stage, and one optimizer step over a list of micro-batches.
+"""Megatron DDP + optimizer around a model stage, and weight copies between stages (actor -> reference).
 
 Thin on purpose: megatron's DistributedDataParallel (grad buffers, DP reduce, optional distributed optimizer) and
 ``get_megatron_optimizer`` do the work; this module only wires the config hooks the pipeline schedules call
@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from megatron_ppo.models.schedule import forward_backward
 
 
 def wrap_ddp(model, *, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
@@ -57,19 +55,6 @@ def build_optimizer(ddp_models, settings: OptimizerSettings | None = None):
     optimizer = get_megatron_optimizer(opt_config, chunks)
     cfg.grad_scale_func = optimizer.scale_loss
     return optimizer
-
-
-def train_step(ddp_models, optimizer, micro_batches: list[dict], loss_fn):
-    """Zero grads, forward+backward all micro-batches (grads accumulate), optimizer step.
-
-    Returns (metrics per micro-batch [last stage], update_successful, grad_norm)."""
-    chunks = list(ddp_models) if isinstance(ddp_models, (list, tuple)) else [ddp_models]
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    metrics = forward_backward(chunks, micro_batches, loss_fn)
-    update_successful, grad_norm, _ = optimizer.step()
-    return metrics, update_successful, grad_norm
 
 
 @torch.no_grad()

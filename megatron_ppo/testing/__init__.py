@@ -1,3 +1,8 @@
-"""Helpers for the tests and benchmarks, not used by the product: tiny HF models (tiny_hf.py) and the conversion
-round-trip proofs (conversion.py).
+"""Helpers for the tests and tools, not used by the product:
+
+  tiny_hf.py     tiny random HF Llama/Qwen2 models on disk (conversion tests)
+  conversion.py  conversion round-trip proofs: bitwise HF checkpoint comparison, cache-free greedy decode
+  sharding.py    full TP1/PP1 state dict <-> this rank's shard (model tests, small models)
+  training.py    one optimizer step over micro-batches (model tests)
+  backends.py    select the ops backend under test (tests/unit/test_ops_*.py, tools/gpu_check.sh)
 """

@@ -47,12 +47,12 @@ class ForwardWorker:
         self.model = build_gpt_model(tiny_arch(vocab_size=vocab), "actor")
 
     def full_state_dict(self) -> dict:
-        from megatron_ppo.models.sharding import gather_full_state_dict
+        from megatron_ppo.testing.sharding import gather_full_state_dict
 
         return gather_full_state_dict(self.model)
 
     def load_full(self, full: dict) -> None:
-        from megatron_ppo.models.sharding import load_full_state_dict
+        from megatron_ppo.testing.sharding import load_full_state_dict
 
         load_full_state_dict(self.model, full)
 

@@ -15,7 +15,7 @@ def _outputs(model, vocab):
     """Full-vocab logits or values of a fixed packed batch, on the last stage (None elsewhere)."""
     from megatron_ppo.models.forward import pack_sequences
     from megatron_ppo.models.schedule import forward_backward
-    from megatron_ppo.models.sharding import gather_full_state_dict
+    from megatron_ppo.testing.sharding import gather_full_state_dict
 
     g = torch.Generator().manual_seed(8)
     ids, cu = pack_sequences([torch.randint(0, vocab, (n,), generator=g) for n in (6, 9, 3)])

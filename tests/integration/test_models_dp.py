@@ -27,8 +27,9 @@ def _train(dp_rank, dp_size, full_sd, use_distributed_optimizer):
     from megatron_ppo.models.arch import tiny_arch
     from megatron_ppo.models.gpt import build_gpt_model
     from megatron_ppo.models.logprobs import next_token_targets, vocab_parallel_logprobs_entropy
-    from megatron_ppo.models.sharding import gather_full_state_dict, load_full_state_dict
-    from megatron_ppo.models.training import OptimizerSettings, build_optimizer, train_step, wrap_ddp
+    from megatron_ppo.models.training import OptimizerSettings, build_optimizer, wrap_ddp
+    from megatron_ppo.testing.sharding import gather_full_state_dict, load_full_state_dict
+    from megatron_ppo.testing.training import train_step
 
     arch = tiny_arch()
     model = build_gpt_model(arch, "actor")

@@ -114,7 +114,7 @@ def _job_greedy_layouts(rank, world, layout):
     from megatron_ppo import parallel
     from megatron_ppo.models.generation import generate
     from megatron_ppo.models.gpt import build_gpt_model
-    from megatron_ppo.models.sharding import load_full_state_dict
+    from megatron_ppo.testing.sharding import load_full_state_dict
 
     arch = tiny_arch(vocab_size=VOCAB, tie_word_embeddings=True)
     params = SamplingParams(max_response_length=14, greedy=True, temperature=0.9)

@@ -31,8 +31,8 @@ def _run(role, sequence_parallel, micro_batches, full_sd=None, vocab=None):
     from megatron_ppo.models.gpt import build_gpt_model
     from megatron_ppo.models.logprobs import next_token_targets, vocab_parallel_logprobs_entropy
     from megatron_ppo.models.schedule import forward_backward
-    from megatron_ppo.models.sharding import gather_full_state_dict, load_full_state_dict
     from megatron_ppo.models.training import wrap_ddp
+    from megatron_ppo.testing.sharding import gather_full_state_dict, load_full_state_dict
 
     arch = tiny_arch(vocab_size=vocab, tie_word_embeddings=(role == "actor"))
     model = build_gpt_model(arch, role, sequence_parallel=sequence_parallel)

@@ -13,7 +13,7 @@ V = 300  # padded to 384 at TP1: 84 padding rows
 
 def _model_and_full():
     from megatron_ppo.models.gpt import build_gpt_model
-    from megatron_ppo.models.sharding import gather_full_state_dict
+    from megatron_ppo.testing.sharding import gather_full_state_dict
 
     model = build_gpt_model(tiny_arch(vocab_size=V, tie_word_embeddings=False), "actor")
     full = gather_full_state_dict(model)
@@ -30,7 +30,7 @@ def _with_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 @pytest.mark.parametrize("key", [EMB, OUT])
 @pytest.mark.parametrize("rows", [V - 1, V + 1, 400])
 def test_vocab_mismatch_raises_naming_tensor_and_rows(megatron_single, key, rows):
-    from megatron_ppo.models.sharding import load_full_state_dict
+    from megatron_ppo.testing.sharding import load_full_state_dict
 
     model, full = _model_and_full()
     full[key] = _with_rows(full[key], rows)
@@ -42,7 +42,7 @@ def test_vocab_mismatch_raises_naming_tensor_and_rows(megatron_single, key, rows
 
 @pytest.mark.parametrize("rows", [V, 512])  # HF (true vocab), the TP2 layout's padding of it
 def test_vocab_rows_loaded_and_padding_zero(megatron_single, rows):
-    from megatron_ppo.models.sharding import gather_full_state_dict, load_full_state_dict
+    from megatron_ppo.testing.sharding import gather_full_state_dict, load_full_state_dict
 
     model, full = _model_and_full()
     for key in (EMB, OUT):
@@ -57,7 +57,7 @@ def test_vocab_rows_loaded_and_padding_zero(megatron_single, rows):
 
 def test_same_layout_round_trip_is_exact(megatron_single):
     """A tensor with exactly the padded rows is used as is, padding rows included (gather -> load is exact)."""
-    from megatron_ppo.models.sharding import gather_full_state_dict, load_full_state_dict
+    from megatron_ppo.testing.sharding import gather_full_state_dict, load_full_state_dict
 
     model, full = _model_and_full()
     full = {k: _with_rows(v, v.shape[0]) if v.dim() else v for k, v in full.items()}

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from megatron_ppo import ops
 from megatron_ppo.algo.advantages import compute_gae_advantage_return as algo_gae
 
-from megatron_ppo.ops.testing import available_backends, kernel_backends, use_backend
+from megatron_ppo.testing.backends import available_backends, kernel_backends, use_backend
 
 os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
 BACKENDS = available_backends()

@@ -10,7 +10,7 @@ import torch
 
 from megatron_ppo import ops
 from megatron_ppo.ops.reference import logprobs_entropy_naive
-from megatron_ppo.ops.testing import available_backends, kernel_backends, use_backend
+from megatron_ppo.testing.backends import available_backends, kernel_backends, use_backend
 
 os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
 BACKENDS = available_backends()

@@ -5,6 +5,9 @@ Slicing follows what megatron records on each parameter: ``tensor_model_parallel
 ``partition_stride`` (2 for the SwiGLU ``linear_fc1``, whose rank slice is [gate_r; up_r]). Vocab-sized tensors
 are re-padded to this layout's padded vocab (``vocab_rows.repad_vocab``: the true vocab's rows are copied, the
 padding rows are zero; a row count that is neither the true vocab nor a Megatron padding of it raises).
+
+For tests and small models: the product moves weights through dist checkpoints (models/checkpoint.py,
+megatron_ppo/convert/).
 """
 from __future__ import annotations
 
@@ -13,21 +16,16 @@ import re
 import torch
 import torch.distributed as dist
 
+from megatron_ppo.models.unwrap import unwrap_model
 from megatron_ppo.models.vocab_rows import repad_vocab
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def layer_offset(model) -> int:
     """Global index of this stage's first transformer layer."""
-    layers = _unwrap(model).decoder.layers
+    layers = unwrap_model(model).decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
@@ -48,7 +46,7 @@ def _tp():
 def shard_for_param(full: torch.Tensor, param: torch.Tensor, name: str = "", model=None) -> torch.Tensor:
     """This TP rank's slice of ``full`` for ``param`` (replicated params: ``full`` itself)."""
     if model is not None and any(name.endswith(v) for v in _VOCAB_PARAMS) and getattr(param, "tensor_model_parallel", False):
-        core = _unwrap(model)
+        core = unwrap_model(model)
         full = repad_vocab(full, name, core.arch, core.vocab_size)
     if not getattr(param, "tensor_model_parallel", False):
         if tuple(full.shape) != tuple(param.shape):
@@ -66,7 +64,7 @@ def shard_for_param(full: torch.Tensor, param: torch.Tensor, name: str = "", mod
 @torch.no_grad()
 def load_full_state_dict(model, full: dict) -> None:
     """Load a full (TP1/PP1 names and shapes) state dict into this rank's stage. Missing keys raise."""
-    core = _unwrap(model)
+    core = unwrap_model(model)
     tied_out = core.post_process and core.share_embeddings_and_output_weights and not core.pre_process
     for name, param in core.named_parameters():
         key = global_name(core, name)
@@ -79,7 +77,7 @@ def load_full_state_dict(model, full: dict) -> None:
 
 def local_expected(model, full: dict) -> dict:
     """{local name: this rank's slice of full[global name]} — e.g. to compare sharded grads with TP1 grads."""
-    core = _unwrap(model)
+    core = unwrap_model(model)
     out = {}
     tied_out = core.post_process and core.share_embeddings_and_output_weights and not core.pre_process
     for name, param in core.named_parameters():
@@ -99,7 +97,7 @@ def gather_full_state_dict(model, grads: bool = False) -> dict:
     """
     from megatron.core import parallel_state
 
-    core = _unwrap(model)
+    core = unwrap_model(model)
     rank, world = _tp()
     tp_group = parallel_state.get_tensor_model_parallel_group()
     local = {}
