@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from megatron_ppo.models.arch import ModelArch
 from megatron_ppo.models.layers import ValueHead
 from megatron_ppo.models.spec import decoder_block_spec, resolve_transformer_impl
-from megatron_ppo.parallel.platform import cpu_platform_needed, enable_cpu_platform
+from megatron_ppo.parallel.platform import cpu_platform_enabled, cpu_platform_needed
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,8 @@ def build_gpt_model(
     value_head_bias: bool = False,
     config_overrides: dict | None = None,
 ):
-    """Build the GPTModel stage of ``role`` for this rank (needs ``megatron_ppo.parallel.initialize`` first).
+    """Build the GPTModel stage of ``role`` for this rank (needs ``megatron_ppo.parallel.initialize`` first, in
+    this thread: it sets up the CPU platform layer on a CUDA-less torch; building a model never does).
 
     Critic/reward: ``output_layer`` is a ``ValueHead`` ([b, s, 1] fp32 values) and embeddings are never tied.
     Reference: frozen. The model carries ``.arch`` and ``.role``.
@@ -157,8 +158,10 @@ def build_gpt_model(
         raise ValueError(f"build_gpt_model: role={role!r} not in {ROLES}")
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_gpt_model: call megatron_ppo.parallel.initialize() first")
-    if cpu_platform_needed():
-        enable_cpu_platform()
+    if cpu_platform_needed() and not cpu_platform_enabled():  # set up by parallel.initialize, never here
+        raise RuntimeError("build_gpt_model: torch has no CUDA and the CPU platform layer is not active in this "
+                           "thread; build the model in the thread that called megatron_ppo.parallel.initialize() "
+                           "(or call megatron_ppo.parallel.platform.enable_cpu_platform() in this one)")
     config = transformer_config(arch, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
                                 recompute=recompute, transformer_impl=transformer_impl, **(config_overrides or {}))
     tp = config.tensor_model_parallel_size

@@ -14,7 +14,7 @@ streams/events, the CUDA RNG tracker, and type checks such as ``param.grad.type(
 
 Nothing here changes numerics. On a machine with CUDA this module does nothing. The torch-function mode is
 thread-local in torch, so it is (re-)entered for the calling thread on every call; call ``enable_cpu_platform()``
-in the thread that runs the model (``parallel.initialize`` and ``models.gpt.build_gpt_model`` do it for you).
+in the thread that runs the model (``parallel.initialize`` does it for you; ``build_gpt_model`` only checks).
 """
 from __future__ import annotations
 
