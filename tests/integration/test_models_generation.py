@@ -8,7 +8,6 @@ import torch
 from megatron_ppo.models.arch import tiny_arch
 from megatron_ppo.models.generation import SamplingParams, filter_logits
 
-pytestmark = pytest.mark.slow
 VOCAB = 500
 
 
@@ -140,6 +139,7 @@ def _job_greedy_layouts(rank, world, layout):
             "sampled": sampled.responses, "sp_restored": still_sp == sp}
 
 
+@pytest.mark.slow  # two ranks
 @pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2"])
 def test_greedy_identical_across_layouts(dist_pool2, layout):
     r0, r1 = dist_pool2.run(_job_greedy_layouts, layout)

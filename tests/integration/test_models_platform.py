@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow,  # imports megatron-core (seconds)
-              pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU platform layer is inactive with CUDA")]
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU platform layer is inactive with CUDA")]
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ import torch
 
 from megatron_ppo.models.arch import tiny_arch
 
-pytestmark = pytest.mark.slow
+# Not slow: one process, a few seconds in all once megatron-core is imported (pytest.ini: slow = multi-process or
+# minute-long).
 
 
 def _build(arch, role="actor", **kw):
