@@ -7,8 +7,7 @@ import threading
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow,  # imports megatron-core (seconds)
-              pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU platform layer is inactive with CUDA")]
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU platform layer is inactive with CUDA")
 
 
 def test_build_gpt_model_does_not_switch_the_platform_on(megatron_single):
