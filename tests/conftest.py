@@ -44,3 +44,18 @@ def megatron_single():
     finally:
         parallel.destroy()
         disable_cpu_platform()  # later tests in this process run without the CUDA->CPU remap
+
+
+@pytest.fixture
+def reward_registry():
+    """The global reward registry, restored after the test: tests that register fixed names can rerun in the
+    same process (pytest --count, a REPL, the mutation script)."""
+    from megatron_ppo.rewards import registry
+
+    registry._load_builtins()
+    saved = dict(registry._REGISTRY)
+    try:
+        yield registry
+    finally:
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(saved)

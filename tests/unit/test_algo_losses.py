@@ -4,6 +4,7 @@ Tolerances: float64 rtol 1e-7 / atol 1e-7 (verl's +1e-8 denominators), float32 r
 gradients are compared at the same tolerances.
 """
 import os
+import zlib
 
 os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"
 
@@ -308,7 +309,7 @@ KL_TYPES = [t + plus for t in L.KL_PENALTY_TYPES for plus in ("", "+")]
 @pytest.mark.parametrize("kind", KL_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_kl_penalty_matches_verl_values_and_gradients(kind, dtype):
-    gen = torch.Generator().manual_seed(hash(kind) % 1000)
+    gen = torch.Generator().manual_seed(zlib.crc32(kind.encode()) % 1000)  # hash(str) changes per process
     ref = -torch.rand(6, 10, generator=gen, dtype=dtype) * 5
     logprob = ref + 2 * torch.randn(6, 10, generator=gen, dtype=dtype)
     logprob[0, :3] = ref[0, :3] + torch.tensor([25.0, -25.0, -12.0], dtype=dtype)  # hit the +-20 and 10 clamps

@@ -101,7 +101,7 @@ def test_format_score_and_helpers():
         compute_score("#### 1", "1", mode="loose")
 
 
-def test_registry_lookup_errors_and_custom_sources(tmp_path):
+def test_registry_lookup_errors_and_custom_sources(tmp_path, reward_registry):
     assert get_reward_fn("openai/gsm8k") is compute_score
     with pytest.raises(UnknownDataSourceError, match=r"'my/unknown'; registered: \[.*'openai/gsm8k'.*\]"):
         get_reward_fn("my/unknown")

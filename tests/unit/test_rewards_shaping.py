@@ -59,7 +59,7 @@ def test_compute_rewards_terms_and_metrics():
                                 for s in ("mean", "min", "max")} | {"reward/score/num_large"}
 
 
-def test_per_row_errors_name_the_row():
+def test_per_row_errors_name_the_row(reward_registry):
     @register_reward("test/nan-reward")
     def nan_reward(solution_str, ground_truth, extra_info=None):
         return float("nan") if solution_str == "bad" else 1.0
