@@ -116,18 +116,35 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _descendants(procs) -> list:
-    """psutil handles of every process the ranks started (e.g. dist_checkpointing's Manager), taken while the
-    ranks live: once a rank is gone its children are re-parented and can no longer be found from it."""
+def _descendants(procs) -> dict:
+    """{pid: psutil handle} of every process the live ranks started (e.g. dist_checkpointing's Manager)."""
     import psutil
 
-    out = []
+    out = {}
     for p in procs:
         try:
-            out += psutil.Process(p.pid).children(recursive=True)
+            out.update((c.pid, c) for c in psutil.Process(p.pid).children(recursive=True))
         except psutil.Error:  # the rank is already gone
             pass
     return out
+
+
+def _wait_dead(procs: list, timeout: float) -> None:
+    """Wait until none of ``procs`` runs (a zombie counts as dead: reaping an orphan is init's business, and
+    psutil.wait_procs waits for that too, seconds in some containers)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while procs and time.monotonic() < deadline:
+        alive = []
+        for c in procs:
+            try:
+                if c.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(c)
+            except psutil.Error:
+                pass
+        procs = alive
+        time.sleep(0.02)
 
 
 class RankFailedError(RuntimeError):
@@ -151,6 +168,9 @@ class LocalWorkerPool:
         self.start_timeout = start_timeout
         self.port = port
         self._procs = []
+        # Processes the ranks started, noted while waiting on them: a rank that dies leaves its children
+        # re-parented, and they can no longer be found from it.
+        self._children = {}
 
     def _start(self):
         for attempt in range(1, START_ATTEMPTS + 1):
@@ -185,6 +205,7 @@ class LocalWorkerPool:
             try:
                 rank, status, payload = self._results.get(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
+                self._children.update(_descendants(self._procs))
                 dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
                 if dead:
                     self._fail(during, dead, {})
@@ -234,11 +255,11 @@ class LocalWorkerPool:
     def close(self, grace: float = 1.0):
         """Terminate the ranks (SIGTERM: they end their own children), kill those still alive after ``grace``
         seconds (a rank blocked in a C++ collective or rendezvous never runs its handler), then kill whatever the
-        ranks had started that is still alive."""
+        ranks had started (now, or seen while waiting on them) that is still alive."""
         procs, self._procs = self._procs, []
+        children, self._children = {**self._children, **_descendants(procs)}, {}
         if not procs:
             return
-        children = _descendants(procs)
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -251,12 +272,12 @@ class LocalWorkerPool:
                 p.join(timeout=10)
         import psutil
 
-        for c in children:
+        for c in children.values():
             try:
-                c.kill()
+                c.kill()  # psutil checks that the pid was not reused
             except psutil.Error:  # already gone, as it should be
                 pass
-        psutil.wait_procs(children, timeout=10)
+        _wait_dead(list(children.values()), timeout=10)
 
     def __enter__(self):
         return self

@@ -60,9 +60,15 @@ class _DeathWatch(threading.Thread):
 
 
 def _die_in_rank_1(rank, world, how, stamp_path):
-    """Rank 1 dies the way ``how`` says; rank 0 keeps working, as if in a long computation or in a collective that
+    """Rank 1 starts a child process, then dies the way ``how`` says; rank 0 keeps working, as if in a long computation or in a collective that
     does not notice a dead peer (gloo's barrier would notice, and then rank 0's error alone fails the old pool)."""
     if rank == 1:
+        import subprocess
+
+        child = subprocess.Popen(["sleep", str(BIG_TIMEOUT)])  # outlives its rank unless the pool ends it
+        with open(stamp_path + ".child", "w") as f:
+            f.write(str(child.pid))
+        time.sleep(1.0)  # the pool notes the ranks' children while it waits
         with open(stamp_path, "w") as f:
             f.write(repr(time.time()))
         if how == "exit":
@@ -118,8 +124,9 @@ def test_rank_dying_during_a_job_fails_it_fast_and_the_next_job_gets_a_fresh_poo
         assert f"rank 1 (pid {first[1][2]}) died while running _die_in_rank_1 {code_text}" in msg, msg
         assert "rank 0" not in msg, msg  # rank 0 did nothing wrong: it was only waiting
         assert latency < FAST
-        for _, _, pid in first:
-            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        orphan = int(open(stamp + ".child").read())  # re-parented when rank 1 died: not our descendant any more
+        for pid in [pid for _, _, pid in first] + [orphan]:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
         again = pool.run(_ranks)
         assert [r[:2] for r in again] == [(0, 2), (1, 2)] and {r[2] for r in again}.isdisjoint(r[2] for r in first)
     _assert_nothing_left(before)
