@@ -154,11 +154,8 @@ def _optim(key: str, o: OptimConfig, errs: _Errors) -> None:
 
 
 def _data_parallel(cfg: PPOConfig, role: str) -> Optional[int]:
-    p = getattr(cfg.cluster, role)
-    shard = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-    if shard < 1 or cfg.cluster.world_size < 1 or cfg.cluster.world_size % shard:
-        return None  # reported by _cluster
-    return cfg.cluster.world_size // shard
+    dp = cfg.cluster.data_parallel(role)
+    return dp if dp is not None and dp >= 1 else None  # else reported by _cluster
 
 
 def _micro_batches(key: str, role: str, mini: int, micro: Optional[int], dynamic: bool, max_tokens: int,
@@ -371,15 +368,33 @@ def _cluster(cfg: PPOConfig, errs: _Errors) -> None:
     c = cfg.cluster
     errs.positive("cluster.nnodes", c.nnodes)
     errs.positive("cluster.n_gpus_per_node", c.n_gpus_per_node)
+    errs.positive("cluster.num_cpus_per_rank", c.num_cpus_per_rank)
+    errs.check(c.num_gpus_per_rank is None or c.num_gpus_per_rank >= 0, "cluster.num_gpus_per_rank",
+               f"must be >= 0 or null, got {c.num_gpus_per_rank}")
+    errs.positive("cluster.collective_timeout_s", c.collective_timeout_s)
     for role in ("actor", "critic", "ref", "reward"):
         p = getattr(c, role)
         key = f"cluster.{role}"
         errs.positive(f"{key}.tensor_model_parallel_size", p.tensor_model_parallel_size)
         errs.positive(f"{key}.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
+        errs.positive(f"{key}.data_parallel_size", p.data_parallel_size, allow_none=True)
         shard = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-        if shard >= 1 and c.world_size >= 1:
+        if shard >= 1 and c.world_size >= 1 and p.data_parallel_size is None and c.launcher == "ray":
             errs.check(c.world_size % shard == 0, key, f"tensor_model_parallel_size x pipeline_model_parallel_size "
                        f"= {shard} must divide the world size (cluster.nnodes x cluster.n_gpus_per_node = "
-                       f"{c.world_size})")
+                       f"{c.world_size}), or set {key}.data_parallel_size")
+        if c.launcher == "local" and shard >= 1:
+            dp = c.data_parallel(role) or 1
+            errs.check(shard * dp == 1, key, f"cluster.launcher=local runs one in-process rank per role, but "
+                       f"TP={p.tensor_model_parallel_size} x PP={p.pipeline_model_parallel_size} x DP={dp} = "
+                       f"{shard * dp} ranks; use cluster.launcher=ray")
         errs.check(not p.sequence_parallel or p.tensor_model_parallel_size > 1, f"{key}.sequence_parallel",
                    "needs tensor_model_parallel_size > 1 (it is 1); set it false")
+    if cfg.use_reference and cfg.ref.model.path is None and cfg.ref.model.arch is None \
+            and cfg.actor.model.path is None:
+        a, r = c.actor, c.ref
+        same = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size) == (
+            r.tensor_model_parallel_size, r.pipeline_model_parallel_size)
+        errs.check(same, "cluster.ref", "the reference starts from the actor's random initialisation, which is "
+                   "reproduced only at the same TP x PP: set cluster.ref.tensor_model_parallel_size / "
+                   "pipeline_model_parallel_size equal to cluster.actor's, or give ref.model.path")

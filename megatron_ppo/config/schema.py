@@ -328,6 +328,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = field(1, "pipeline stages")
     sequence_parallel: bool = field(False, "Megatron sequence parallelism (needs tensor_model_parallel_size > 1)")
     use_distributed_optimizer: bool = field(True, "shard optimizer state over data-parallel ranks")
+    data_parallel_size: Optional[int] = field(None, "data-parallel replicas of this role; null: fill the cluster "
+                                              "(cluster.nnodes x n_gpus_per_node / (TP x PP)), 1 with "
+                                              "launcher=local", None)
 
 
 @dataclass
@@ -335,6 +338,15 @@ class ClusterConfig:
     nnodes: int = field(1, "nodes")
     n_gpus_per_node: int = field(8, "ranks per node (GPUs; processes on CPU)")
     device: Literal["auto", "cuda", "cpu"] = field("auto", "auto: cuda when available")
+    launcher: Literal["ray", "local"] = field("ray", "ray: every role's TP x PP x DP ranks as Ray actors; local: one "
+                                              "in-process rank per role (TP = PP = DP = 1, debugging)", None)
+    placement: Literal["colocated", "split"] = field("colocated", "colocated: the roles share the same bundles (rank "
+                                                     "r of every role on bundle r); split: a pool per role", None)
+    ray_address: Optional[str] = field(None, "Ray cluster to join; null: $RAY_ADDRESS, else a local cluster", None)
+    num_cpus_per_rank: float = field(1.0, "CPUs in one rank's bundle (colocated roles share it)", None)
+    num_gpus_per_rank: Optional[float] = field(None, "GPUs in one rank's bundle; null: 1 on cuda, 0 on cpu", None)
+    collective_timeout_s: float = field(120.0, "torch.distributed timeout: the backstop for a rank that never joins "
+                                        "a collective (a dead rank is detected at once)", None)
     actor: ParallelConfig = field(ParallelConfig, "")
     critic: ParallelConfig = field(ParallelConfig, "")
     ref: ParallelConfig = field(ParallelConfig, "")
@@ -343,6 +355,19 @@ class ClusterConfig:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.n_gpus_per_node
+
+    def data_parallel(self, role: str) -> Optional[int]:
+        """The role's DP size: explicit, else 1 (launcher=local) or the world over TP x PP (None if it does not
+        divide; the config checks report that)."""
+        p = getattr(self, role)
+        if p.data_parallel_size is not None:
+            return p.data_parallel_size
+        if self.launcher == "local":
+            return 1
+        shard = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        if shard < 1 or self.world_size < 1 or self.world_size % shard:
+            return None
+        return self.world_size // shard
 
 
 # ---------------------------------------------------------------------------------------------- top level

@@ -1,17 +1,15 @@
-"""Everything the driver needs, built from the config: data, tokenizer, reward scorer, workers, controllers.
+"""Everything the driver needs, built from the config: data, tokenizer, reward scorer, worker groups, controllers.
 
-Kept apart from the loop so that ppo.py reads as a recipe and the Ray driver can build the same parts per rank.
+Kept apart from the loop so that ppo.py reads as a recipe. The models live in the worker groups (trainer/groups.py):
+on Ray ranks or in this process; the driver holds only data, rewards and the KL controller.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from megatron_ppo.algo.kl_control import TargetKLGuard, build_kl_controller
+from megatron_ppo.algo.kl_control import build_kl_controller
 from megatron_ppo.data.gsm8k import SPLITS as GSM8K_SPLITS
 from megatron_ppo.data.gsm8k import default_gsm8k_dir
 from megatron_ppo.data.parquet_io import expand_parquet_paths
@@ -20,14 +18,12 @@ from megatron_ppo.data.prompt_dataset import PromptDataset, overlong_policy_from
 from megatron_ppo.data.sampler import StatefulSampler
 from megatron_ppo.data.tokenizer import gsm8k_tokenizer_dir, load_tokenizer
 from megatron_ppo.data.trajectory import TrajectoryWriter
-from megatron_ppo.models.arch import ModelArch
 from megatron_ppo.rewards.batch import RewardScorer
+from megatron_ppo.trainer.groups import RoleGroups, build_groups
 from megatron_ppo.trainer.tracking import Tracker
-from megatron_ppo.workers.megatron_worker import MegatronWorker
+from megatron_ppo.workers.build import model_arch
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(kw_only=True)
@@ -39,13 +35,30 @@ class Components:
     val_dataset: PromptDataset | None
     sampler: StatefulSampler
     scorer: RewardScorer
-    actor: MegatronWorker
-    ref: MegatronWorker | None
-    critic: MegatronWorker | None
+    vocab_size: int
+    groups: RoleGroups
     kl_ctrl: object | None
-    kl_guard: TargetKLGuard | None
     tracker: Tracker
     dumper: object | None
+
+    @property
+    def actor(self):
+        return self.groups.get("actor")
+
+    @property
+    def critic(self):
+        return self.groups.get("critic")
+
+    @property
+    def ref(self):
+        return self.groups.get("ref")
+
+    def close(self) -> None:
+        """The tracker, then the worker groups, their placement and a Ray cluster started for them."""
+        try:
+            self.tracker.close()
+        finally:
+            self.groups.close()
 
 
 def prepare_data(cfg) -> str | None:
@@ -72,60 +85,13 @@ def prepare_data(cfg) -> str | None:
     return None
 
 
-def model_arch(cfg, role: str, vocab_size: int) -> ModelArch:
-    """The role's architecture: from its HF config.json (model.path) or inline (model.arch, random init)."""
-    model = cfg.model_for(role)
-    if model.path is not None:
-        from megatron_ppo.convert.mapping import arch_from_hf_config
-
-        arch = arch_from_hf_config(model.path)
-        if arch.vocab_size < vocab_size:
-            raise ValueError(f"{role}.model.path={model.path}: vocab_size {arch.vocab_size} is smaller than the "
-                             f"tokenizer's {vocab_size} tokens")
-        return arch
-    fields = dataclasses.asdict(model.arch)
-    fields["vocab_size"] = fields["vocab_size"] or vocab_size
-    return ModelArch(**fields)
-
-
-def params_dtype(cfg, role: str) -> torch.dtype:
-    dtype = cfg.model_for(role).dtype
-    if dtype == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return DTYPES[dtype]
-
-
 def total_training_steps(cfg, num_prompts: int) -> int:
     """trainer.total_training_steps, else total_epochs x full batches per epoch (verl's rule)."""
     return cfg.trainer.total_training_steps or max(num_prompts // cfg.data.train_batch_size, 1) * cfg.trainer.total_epochs
 
 
-def recompute(cfg, role: str) -> dict | None:
-    """The role's activation checkpointing (<role>.model.recompute_*) as models.gpt.build_gpt_model takes it."""
-    model = cfg.model_for(role)
-    if model.recompute_granularity is None:
-        return None
-    return {"granularity": model.recompute_granularity, **({"method": model.recompute_method,
-            "num_layers": model.recompute_num_layers} if model.recompute_granularity == "full" else {})}
-
-
-def build_worker(cfg, role: str, worker_role: str, vocab_size: int, *, optim=None, total_steps: int = 1):
-    """A worker for ``role``, with HF weights loaded when the role's model has a path; a trainable role gets
-    Megatron's DistributedOptimizer when cluster.<role>.use_distributed_optimizer (a frozen one has no optimizer)."""
-    model_cfg = cfg.model_for(role)
-    distributed = getattr(cfg.cluster, role).use_distributed_optimizer if optim is not None else False
-    worker = MegatronWorker(worker_role, model_arch(cfg, role, vocab_size), optim=optim, total_steps=total_steps,
-                            params_dtype=params_dtype(cfg, role), use_distributed_optimizer=distributed,
-                            recompute=recompute(cfg, role))
-    if model_cfg.path is not None:
-        from megatron_ppo.trainer.hf_import import load_hf_weights
-
-        cache = Path(cfg.trainer.expand(cfg.trainer.default_local_dir)) / "hf_import"
-        load_hf_weights(worker.model, worker_role, model_cfg.path, str(cache))
-    return worker
-
-
-def build_components(cfg) -> Components:
+def build_components(cfg, worker_classes: dict | None = None) -> Components:
+    """worker_classes: {role: class or import path} overriding trainer.groups.WORKER_CLASSES (tests)."""
     built_tokenizer = prepare_data(cfg)
     tokenizer = load_tokenizer(cfg.actor.model.tokenizer_path or built_tokenizer or cfg.actor.model.path)
     policy = overlong_policy_from_verl(cfg.data.filter_overlong_prompts, cfg.data.truncation)
@@ -136,17 +102,8 @@ def build_components(cfg) -> Components:
     total_steps = total_training_steps(cfg, len(train))
     sampler = StatefulSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     vocab = len(tokenizer)
-    actor = build_worker(cfg, "actor", "actor", vocab, optim=cfg.actor.optim, total_steps=total_steps)
-    ref = None
-    if cfg.use_reference and (cfg.ref.model.path or cfg.ref.model.arch):
-        ref = build_worker(cfg, "ref", "reference", vocab)
-    elif cfg.use_reference:
-        ref = MegatronWorker("reference", model_arch(cfg, "ref", vocab), params_dtype=params_dtype(cfg, "ref"),
-                             recompute=recompute(cfg, "ref"))
-        ref.copy_weights_from(actor)  # the reference is the actor's initial policy (random or from HF)
-    critic = None
-    if cfg.use_critic:
-        critic = build_worker(cfg, "critic", "critic", vocab, optim=cfg.critic.optim, total_steps=total_steps)
+    for role in ("actor", "critic", "ref"):
+        model_arch(cfg, role, vocab)  # an HF model with a smaller vocabulary fails here, before any rank starts
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = None
     if cfg.algorithm.use_kl_in_reward:
@@ -154,7 +111,6 @@ def build_components(cfg) -> Components:
                   "adaptive": {"init_kl_coef": kc.kl_coef, "target_kl": kc.target_kl, "horizon": kc.horizon},
                   "phased": {"phases": kc.phase_pairs(), "total_steps": total_steps}}[kc.type]
         kl_ctrl = build_kl_controller(kc.type, **kwargs)
-    guard = TargetKLGuard(cfg.algorithm.kl_guard.target_kl) if cfg.algorithm.kl_guard.enable else None
     t = cfg.trainer
     tracker = Tracker(t.logger, t.expand(t.log_dir), t.project_name, t.experiment_name)
     dumper = None
@@ -163,11 +119,16 @@ def build_components(cfg) -> Components:
                                   temperature=cfg.rollout.temperature)
         dumper = lambda step, batch: writer.append(step, trajectory_rows(batch, tokenizer))  # noqa: E731
     eos = tokenizer.eos_token_id
+    try:  # last: the groups are what needs closing
+        groups = build_groups(cfg, vocab, total_steps, worker_classes)
+    except BaseException:
+        tracker.close()
+        raise
     return Components(
         total_steps=total_steps, tokenizer=tokenizer, eos_token_ids=[eos] if eos is not None else [],
         train_dataset=train, val_dataset=val, sampler=sampler,
         scorer=RewardScorer.from_config(cfg.reward, cfg.data.max_response_length),
-        actor=actor, ref=ref, critic=critic, kl_ctrl=kl_ctrl, kl_guard=guard, tracker=tracker, dumper=dumper)
+        vocab_size=vocab, groups=groups, kl_ctrl=kl_ctrl, tracker=tracker, dumper=dumper)
 
 
 def trajectory_rows(batch, tokenizer) -> dict:

@@ -1,13 +1,16 @@
 """`megatron-ppo train [--config NAME|PATH] [key=value ...]`: PPO from a YAML config.
 
-This is the in-process driver on one rank (TP = PP = DP = 1). Multi-rank runs go through the Ray driver, the next
-roadmap item; a config asking for more ranks is refused here rather than silently run on one.
+The driver runs in this process; the models run in worker groups: Ray actors per rank (cluster.launcher=ray, the
+default) or one in-process rank per role (cluster.launcher=local). A layout the cluster cannot host is refused
+before any process starts; a rank that fails or dies ends the run with a non-zero exit naming role, rank and node,
+and every rank, placement group and Ray cluster started here is gone before the process exits.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import math
+import sys
 
 from megatron_ppo.config import load_config
 
@@ -20,16 +23,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def unsupported_settings(cfg) -> list[str]:
-    """Settings the in-process driver would otherwise ignore silently: each is refused, by name."""
+    """Settings the driver would otherwise ignore silently: each is refused, by name."""
     checks = {
-        "cluster (multi-rank)": cfg.cluster.world_size != 1 or any(
-            p.tensor_model_parallel_size * p.pipeline_model_parallel_size != 1
-            for p in (cfg.cluster.actor, cfg.cluster.critic, cfg.cluster.ref, cfg.cluster.reward)),
         "rollout.mode=offline": cfg.rollout.mode != "online",
-        "actor.use_dynamic_bsz": cfg.actor.use_dynamic_bsz,
-        "critic.use_dynamic_bsz": cfg.critic.use_dynamic_bsz,
-        "ref.log_prob_use_dynamic_bsz": cfg.ref.log_prob_use_dynamic_bsz,
-        "rollout.log_prob_use_dynamic_bsz": cfg.rollout.log_prob_use_dynamic_bsz,
         "reward.reward_model.enable": cfg.reward.reward_model.enable,
         "trainer.save_freq > 0 (checkpointing)": cfg.trainer.save_freq > 0,
         "trainer.resume_mode=resume_path": cfg.trainer.resume_mode == "resume_path",
@@ -52,7 +48,7 @@ def unsupported_settings(cfg) -> list[str]:
 
 def check_device(cfg, cuda_available: bool) -> None:
     """cluster.device against this machine: cuda without CUDA is refused (SystemExit naming the key); cpu on a CUDA
-    machine is warned about (the in-process driver always uses CUDA when it is there; tiny_cpu.yaml says cpu and
+    machine is warned about (the ranks use CUDA whenever it is there; tiny_cpu.yaml says cpu and
     should still run on a GPU box). Checked where training starts, not at config load: configs for GPU clusters
     are validated on CPU machines."""
     device = cfg.cluster.device
@@ -62,7 +58,7 @@ def check_device(cfg, cuda_available: bool) -> None:
                          "is. Nothing was run.")
     if device == "cpu" and cuda_available:
         logging.getLogger(__name__).warning(
-            "cluster.device=cpu, but this machine has CUDA, which the in-process driver uses whenever it is "
+            "cluster.device=cpu, but this machine has CUDA, which the ranks use whenever it is "
             "available: this run goes to the GPU (hide the GPUs with CUDA_VISIBLE_DEVICES= to run on the CPU)")
 
 
@@ -72,11 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     refused = unsupported_settings(cfg)
     if refused:
-        raise SystemExit(f"megatron-ppo train: the in-process driver (one rank) does not support {refused} yet; "
-                         "they come with the Ray driver (multi-rank, offline, resume). Nothing was run.")
+        raise SystemExit(f"megatron-ppo train: the driver does not support {refused} yet (offline rollouts, "
+                         "reward models, checkpoints and resume are later roadmap items). Nothing was run.")
     import torch
 
     check_device(cfg, torch.cuda.is_available())
+    if cfg.cluster.launcher == "ray":
+        from megatron_ppo.distributed import LayoutError
+        from megatron_ppo.trainer.groups import plan
+
+        try:  # the arithmetic, before any process starts
+            plan(cfg)
+        except LayoutError as exc:
+            raise SystemExit(f"megatron-ppo train: {exc}. Nothing was run.") from None
     from megatron_ppo.config import to_yaml
     from megatron_ppo.trainer.tracking import LogDirInUseError, claim_log_dir
 
@@ -84,24 +88,28 @@ def main(argv: list[str] | None = None) -> int:
         claim_log_dir(cfg.trainer, to_yaml(cfg))
     except LogDirInUseError as exc:
         raise SystemExit(f"megatron-ppo train: {exc}. Nothing was run.") from None
-    logging.getLogger(__name__).warning("checkpointing is not in the in-process driver yet: this run saves none")
+    log = logging.getLogger(__name__)
+    log.warning("checkpointing is not in the driver yet: this run saves none")
 
-    from megatron_ppo import parallel
+    from megatron_ppo.distributed import WorkerGroupError
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import NonFiniteTrainingError, PPOTrainer
 
-    parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
+    parts = None
     try:
         parts = build_components(cfg)
-        try:
-            history = PPOTrainer(cfg, parts).fit(parts.total_steps)
-        except NonFiniteTrainingError as exc:
-            raise SystemExit(f"megatron-ppo train: stopped: {exc}") from None
-        finally:
-            parts.tracker.close()
+        history = PPOTrainer(cfg, parts).fit(parts.total_steps)
+    except NonFiniteTrainingError as exc:
+        raise SystemExit(f"megatron-ppo train: stopped: {exc}") from None
+    except WorkerGroupError as exc:
+        print(f"megatron-ppo train: a worker failed:\n{exc}", file=sys.stderr, flush=True)
+        raise SystemExit(f"megatron-ppo train: stopped: {str(exc).splitlines()[0]}") from None
     finally:
-        parallel.destroy()
+        if parts is not None:
+            parts.close()
     last = history[-1] if history else {}
     score = last.get("reward/score/mean", math.nan)
-    print(f"megatron-ppo train: {len(history)} steps done; last reward/score/mean={score:.4f}")
+    logs = cfg.trainer.expand(cfg.trainer.log_dir)
+    print(f"megatron-ppo train: {len(history)} steps done; last reward/score/mean={score:.4f}; metrics in "
+          f"{logs}/metrics.jsonl")
     return 0

@@ -1,7 +1,10 @@
 """The PPO driver loop: rollout -> score -> evaluate -> advantage -> update -> record, one named method a phase.
 
-This is the in-process driver (one rank: TP = PP = DP = 1), the recipe the Ray driver will run over worker groups.
-Workers hold models and run what they are given; every algorithmic choice is made here, from algo/.
+The driver talks only to worker groups (trainer/groups.py: Ray ranks or one in-process rank per role): it sends
+data and the step number and gets back per-row results (``call_rows``: split over the DP replicas by tokens,
+returned in row order) or one replica's global metrics (``call_dp``: the workers reduce them over DP themselves).
+Rewards, advantages and the KL controller stay here; the PPO epochs x mini-batches loop, the losses and the
+target-KL guard run inside the workers (workers/actor.py, critic.py).
 """
 from __future__ import annotations
 
@@ -12,16 +15,12 @@ from megatron_ppo.algo.advantages import compute_gae_advantage_return, compute_g
 from megatron_ppo.algo.kl_control import apply_kl_penalty
 from megatron_ppo.algo.losses import explained_variance
 from megatron_ppo.algo.rollout_correction import compute_rollout_correction_and_rejection_mask
-from megatron_ppo.models.generation import SamplingParams
+from megatron_ppo.data.batch import RolloutBatch, split_rows
+from megatron_ppo.distributed.dispatch import select_rows
+from megatron_ppo.distributed.dispatch import split_rows as split_by_tokens
 from megatron_ppo import ops
-from megatron_ppo.trainer.losses import actor_loss_fn, critic_loss_fn, logprob_output_fn, value_output_fn
-from megatron_ppo.data.batch import RolloutBatch, pack_rows, split_rows
 from megatron_ppo.trainer.tracking import timed
-
-# Micro-batch metrics that are shares of the mini-batch loss (summed); all others are averaged.
-SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
-# Why a worker skipped an update (MegatronWorker.train_step): each is counted as <role>/updates_skipped_<reason>.
-SKIP_REASONS = ("nonfinite", "loss_scale_overflow", "kl_guard")
+from megatron_ppo.workers.payload import row_lengths, to_payload
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -30,9 +29,8 @@ class NonFiniteTrainingError(RuntimeError):
 
 class PPOTrainer:
     def __init__(self, cfg, parts):
-        """parts: a trainer.components.Components (workers, datasets, sampler, tokenizer, scorer, controllers)."""
+        """parts: a trainer.components.Components (worker groups, datasets, sampler, tokenizer, scorer, KL controller)."""
         self.cfg, self.p = cfg, parts
-        self.vocab_size = parts.actor.model.arch.vocab_size
         self.step = 0
         self.nonfinite_streak: dict[str, int] = {}  # role -> consecutive steps with a non-finite update skipped
         self.nonfinite_detail: dict[str, str] = {}  # role -> the offending values of its latest such step
@@ -76,12 +74,14 @@ class PPOTrainer:
         rows = [i for i in range(len(prompts["raw_prompt"])) for _ in range(n)]
         keep = prompts["attention_mask"].bool()  # prompts come left-padded; generation takes them unpadded
         prompt_ids = [prompts["input_ids"][i][keep[i]] for i in rows]
-        out = self.p.actor.generate(prompt_ids, self.sampling_params(sampling))
-        width = out.responses.shape[1]
-        mask = (torch.arange(width) < out.response_lengths.unsqueeze(1)).float()
+        lengths = [int(p.numel()) for p in prompt_ids]
+        out = self.p.actor.call_rows("generate", {"prompt_ids": prompt_ids}, lengths, self.sampling_params(sampling),
+                                     self.step)
+        width = out["responses"].shape[1]
+        mask = (torch.arange(width) < out["response_lengths"].unsqueeze(1)).float()
         meta = {key: [prompts[key][i] for i in rows] for key in ("raw_prompt", "data_source", "reward_model", "extra_info", "index")}
         meta["uid"] = [f"{self.step}-{i}" for i in rows]  # GRPO groups: the n responses to one prompt of this batch
-        return RolloutBatch(prompt_ids, out.responses, mask, {"rollout_log_probs": out.log_probs * mask}, meta)
+        return RolloutBatch(prompt_ids, out["responses"], mask, {"rollout_log_probs": out["log_probs"] * mask}, meta)
 
     def score(self, batch: RolloutBatch, metrics: dict) -> None:
         """Sequence reward (rule / custom function + shaping) placed on each response's last token."""
@@ -100,22 +100,14 @@ class PPOTrainer:
 
     def evaluate(self, batch: RolloutBatch, metrics: dict) -> None:
         """Old log-probs (actor), reference log-probs, values (critic) of the responses, forward only."""
-        size = self.cfg.rollout.log_prob_micro_batch_size_per_gpu or batch.size
-        micros = [pack_rows(batch, rows) for rows in split_rows(list(range(batch.size)), size)]
-        logprob_fn = logprob_output_fn(self.vocab_size, self.cfg.rollout.temperature)
-        outputs = self.p.actor.forward(micros, logprob_fn)
-        batch.tensors["old_log_probs"] = torch.cat([o["log_probs"] for o in outputs]) * batch.response_mask
-        ent = torch.cat([o["entropy"] for o in outputs])
-        metrics["actor/entropy_rollout"] = float(masked_mean(ent, batch.response_mask))
+        payload, lengths = to_payload(batch), row_lengths(batch)
+        out = self.p.actor.call_rows("compute_log_probs", payload, lengths)
+        batch.tensors["old_log_probs"] = out["log_probs"]
+        metrics["actor/entropy_rollout"] = float(masked_mean(out["entropy"], batch.response_mask))
         if self.p.ref is not None:
-            ref_size = self.cfg.ref.log_prob_micro_batch_size_per_gpu or batch.size
-            ref_micros = micros if ref_size == size else [
-                pack_rows(batch, rows) for rows in split_rows(list(range(batch.size)), ref_size)]
-            outputs = self.p.ref.forward(ref_micros, logprob_fn)
-            batch.tensors["ref_log_probs"] = torch.cat([o["log_probs"] for o in outputs]) * batch.response_mask
+            batch.tensors["ref_log_probs"] = self.p.ref.call_rows("compute_log_probs", payload, lengths)["log_probs"]
         if self.p.critic is not None:
-            outputs = self.p.critic.forward(micros, value_output_fn)
-            batch.tensors["values"] = torch.cat([o["values"] for o in outputs]) * batch.response_mask
+            batch.tensors["values"] = self.p.critic.call_rows("compute_values", payload, lengths)["values"]
         diff = (batch.tensors["old_log_probs"] - batch.tensors["rollout_log_probs"]).abs()
         metrics["rollout/logprob_abs_diff_max"] = float(diff.max()) if diff.numel() else 0.0
 
@@ -149,57 +141,29 @@ class PPOTrainer:
         metrics["critic/returns/mean"] = float(masked_mean(t["returns"], batch.loss_mask))
 
     def update_critic(self, batch: RolloutBatch, metrics: dict) -> None:
-        c = self.cfg.critic
-        self._update(self.p.critic, batch, metrics, "critic", c.ppo_epochs, c.ppo_mini_batch_size,
-                     c.ppo_micro_batch_size_per_gpu, ("values", "returns"),
-                     lambda tokens, seqs: critic_loss_fn(c, mini_batch_tokens=tokens, mini_batch_seqs=seqs))
+        self._update(self.p.critic, "critic", batch, ("values", "returns"), metrics)
 
     def update_actor(self, batch: RolloutBatch, metrics: dict) -> None:
-        a = self.cfg.actor
-        keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if a.use_kl_loss else ()) + (
+        keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if self.cfg.actor.use_kl_loss else ()) + (
             ("rollout_is_weights",) if "rollout_is_weights" in batch.tensors else ())
-        guard = self.p.kl_guard
+        self._update(self.p.actor, "actor", batch, keys, metrics)
 
-        def skip(per_micro):
-            return guard is not None and guard.should_skip(float(np.mean([m["actor/ppo_kl_k3"] for m in per_micro])))
-
-        self._update(self.p.actor, batch, metrics, "actor", a.ppo_epochs, a.ppo_mini_batch_size,
-                     a.ppo_micro_batch_size_per_gpu, keys,
-                     lambda tokens, seqs: actor_loss_fn(a, vocab_size=self.vocab_size,
-                                                        temperature=self.cfg.rollout.temperature,
-                                                        mini_batch_tokens=tokens, mini_batch_seqs=seqs), skip)
-        if guard is not None:
-            metrics.update(guard.step_metrics())
-
-    def _update(self, worker, batch, metrics, role, epochs, mini_prompts, micro_size, keys, make_loss, skip=None):
-        """ppo_epochs x mini-batches (of mini_prompts x rollout.n sequences) x micro-batches, one step each."""
-        mini = mini_prompts * self.cfg.rollout.n
-        collected = []
-        for epoch in range(epochs):
-            order = list(range(batch.size))
-            if getattr(self.cfg, role).shuffle:
-                order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(
-                    self.cfg.trainer.seed * 1000 + self.step * 10 + epoch)).tolist()
-            for rows in split_rows(order, mini):
-                micros = [pack_rows(batch, r, keys) for r in split_rows(rows, micro_size or len(rows))]
-                tokens = int(batch.loss_mask[rows].sum())
-                result = worker.train_step(micros, make_loss(tokens, len(rows)), skip)
-                collected.append(result)
-        for key in collected[0]["micro"][0]:
-            per_step = [sum(m[key] for m in r["micro"]) if key in SHARE_METRICS else
-                        float(np.mean([m[key] for m in r["micro"]])) for r in collected]
-            metrics[key] = float(np.mean(per_step))
-        stepped = [r["grad_norm"] for r in collected if not r["update_skipped"]]
-        metrics[f"{role}/grad_norm"] = float(np.mean(stepped)) if stepped else float("nan")  # of applied updates
-        metrics[f"{role}/lr"] = worker.step_lr_scheduler()
-        metrics[f"{role}/updates_skipped"] = float(sum(r["update_skipped"] for r in collected))
-        for reason in SKIP_REASONS:
-            metrics[f"{role}/updates_skipped_{reason}"] = float(sum(r["skip_reason"] == reason for r in collected))
-        bad = [r for r in collected if r["skip_reason"] == "nonfinite"]
-        self.nonfinite_streak[role] = self.nonfinite_streak.get(role, 0) + 1 if bad else 0
-        if bad:
-            self.nonfinite_detail[role] = (f"{len(bad)} of {len(collected)} updates skipped; their loss "
-                                           f"{[r['loss'] for r in bad]}, grad_norm {[r['grad_norm'] for r in bad]}")
+    def _update(self, group, role: str, batch: RolloutBatch, keys: tuple, metrics: dict) -> None:
+        """The role's update on every replica's shard (token-balanced with trainer.balance_batch); the replicas return the same global
+        metrics (reduced inside the workers), so the first answer stands for all."""
+        payload = to_payload(batch, keys)
+        dp = group.layout.dp
+        if self.cfg.trainer.balance_batch:  # equal token sums per replica (Karmarkar-Karp)
+            shards = split_by_tokens(row_lengths(batch), dp)
+        else:  # contiguous blocks of rows
+            shards = [[int(r) for r in rows] for rows in np.array_split(np.arange(batch.size), dp)]
+        result = group.call_dp("update", [select_rows(payload, rows) for rows in shards], self.step)[0]
+        bad = result.pop("_nonfinite")
+        metrics.update(result)
+        self.nonfinite_streak[role] = self.nonfinite_streak.get(role, 0) + 1 if bad["count"] else 0
+        if bad["count"]:
+            self.nonfinite_detail[role] = (f"{bad['count']} of {bad['of']} updates skipped; their loss "
+                                           f"{bad['loss']}, grad_norm {bad['grad_norm']}")
 
     def check_nonfinite(self, metrics: dict) -> None:
         """Stop after trainer.max_consecutive_skips steps in a row in which a role had any update skipped for a
@@ -242,10 +206,10 @@ class PPOTrainer:
         return {f"val/test_score/{src}": float(np.mean([s for s, d in zip(scores, sources) if d == src]))
                 for src in sorted(set(sources))}
 
-    def sampling_params(self, s) -> SamplingParams:
-        tok = self.p.tokenizer
-        return SamplingParams(
-            max_response_length=self.cfg.data.max_response_length, temperature=s.temperature if s.do_sample else 1.0,
-            top_k=max(s.top_k, 0), top_p=s.top_p, greedy=not s.do_sample,
-            eos_token_ids=tuple(self.p.eos_token_ids), pad_token_id=tok.pad_token_id,
-            seed=self.cfg.trainer.seed * 100003 + self.step)
+    def sampling_params(self, s) -> dict:
+        """models.generation.SamplingParams fields; the worker derives each replica's seed (dp_seed) from this
+        seed and the step."""
+        return dict(max_response_length=self.cfg.data.max_response_length,
+                    temperature=s.temperature if s.do_sample else 1.0, top_k=max(s.top_k, 0), top_p=s.top_p,
+                    greedy=not s.do_sample, eos_token_ids=tuple(self.p.eos_token_ids),
+                    pad_token_id=self.p.tokenizer.pad_token_id, seed=self.cfg.trainer.seed * 100003)

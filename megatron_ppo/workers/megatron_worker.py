@@ -1,8 +1,8 @@
 """A thin worker: one Megatron model shard plus (for trainable roles) DDP, optimizer and lr schedule.
 
-It answers generate / forward / train_step / state_dict and decides nothing about the algorithm: the driver hands
-it packed micro-batches and the loss or output function to run on them. The Ray driver will wrap this class in an
-actor per rank unchanged.
+It answers generate / forward / train_step and decides nothing about the algorithm: the role workers
+(workers/actor.py, critic.py, ref.py) build on it, hand it packed micro-batches and the loss or output function
+to run on them, and run the PPO loops themselves.
 """
 from __future__ import annotations
 
@@ -20,11 +20,13 @@ from megatron_ppo.parallel.platform import default_device
 
 class MegatronWorker:
     def __init__(self, role: str, arch, *, optim=None, total_steps: int = 1, params_dtype=torch.float32,
-                 use_distributed_optimizer: bool = False, recompute: dict | None = None):
+                 use_distributed_optimizer: bool = False, recompute: dict | None = None,
+                 sequence_parallel: bool = False):
         """recompute: activation checkpointing as models.gpt.build_gpt_model takes it ({"granularity", "method",
         "num_layers"}); use_distributed_optimizer: Megatron's DistributedOptimizer (state sharded over DP)."""
         self.role = role
-        self.model = build_gpt_model(arch, role=role, params_dtype=params_dtype, recompute=recompute)
+        self.model = build_gpt_model(arch, role=role, params_dtype=params_dtype, recompute=recompute,
+                                     sequence_parallel=sequence_parallel)
         self.ddp = self.optimizer = self.scheduler = None
         if optim is not None:
             self.ddp = wrap_ddp(self.model, use_distributed_optimizer=use_distributed_optimizer)

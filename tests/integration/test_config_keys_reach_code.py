@@ -27,28 +27,21 @@ ARCH = "{num_layers: 2, hidden_size: 64, ffn_hidden_size: 256, num_attention_hea
 
 # key prefix -> (the switch that the entry point refuses by name, overrides that turn it on)
 BEHIND_A_REFUSED_SWITCH = {
-    "actor.ppo_max_token_len_per_gpu": ("actor.use_dynamic_bsz", ["actor.use_dynamic_bsz=true"]),
-    "critic.ppo_max_token_len_per_gpu": ("critic.use_dynamic_bsz", ["critic.use_dynamic_bsz=true"]),
-    "ref.log_prob_max_token_len_per_gpu": ("ref.log_prob_use_dynamic_bsz", ["ref.log_prob_use_dynamic_bsz=true"]),
-    "rollout.log_prob_max_token_len_per_gpu": ("rollout.log_prob_use_dynamic_bsz",
-                                               ["rollout.log_prob_use_dynamic_bsz=true"]),
     "rollout.trajectory_files": ("rollout.mode=offline", ["rollout.mode=offline", "rollout.trajectory_files=[t]"]),
     "trainer.resume_from_path": ("trainer.resume_mode=resume_path",
                                  ["trainer.resume_mode=resume_path", "trainer.resume_from_path=c"]),
     **{key: ("reward.reward_model.enable", ["reward.reward_model.enable=true", f"reward.reward_model.model.arch={ARCH}"])
        for key in ("reward.reward_model.model.", "reward.reward_model.micro_batch_size_per_gpu")},
-    "cluster.reward.use_distributed_optimizer": ("reward.reward_model.enable", [
-        "reward.reward_model.enable=true", f"reward.reward_model.model.arch={ARCH}"]),
-    # sequence parallelism needs TP > 1 (a validation rule), and TP > 1 is the multi-rank driver's
-    **{f"cluster.{r}.sequence_parallel": ("cluster (multi-rank)", ["cluster.n_gpus_per_node=2"])
-       for r in ("actor", "critic", "ref", "reward")},
+    **{f"cluster.reward.{key}": ("reward.reward_model.enable", [
+        "reward.reward_model.enable=true", f"reward.reward_model.model.arch={ARCH}"])
+       for key in ("use_distributed_optimizer", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                   "sequence_parallel", "data_parallel_size")},
 }
 # keys that cannot have an effect in the in-process driver; docs/config.md lists each with the reason
-NO_EFFECT_ON_ONE_RANK = ("trainer.balance_batch", "cluster.ref.use_distributed_optimizer",
-                         "actor.entropy_from_logits_with_chunking")
+NO_EFFECT_ON_ONE_RANK = ("cluster.ref.use_distributed_optimizer", "actor.entropy_from_logits_with_chunking")
 # key -> (file, text of the line that reads it): read on a path the tiny runs do not take (an HF model directory)
 READ_ON_ANOTHER_PATH = {
-    "trainer.default_local_dir": ("megatron_ppo/trainer/components.py", "cfg.trainer.default_local_dir"),
+    "trainer.default_local_dir": ("megatron_ppo/workers/role.py", "cfg.trainer.default_local_dir"),
     "trainer.overwrite": ("megatron_ppo/trainer/tracking.py", "t.overwrite"),  # read only when records exist
 }
 
@@ -67,11 +60,20 @@ RUNS = {
             "algorithm.kl_guard.target_kl": 10.0, "algorithm.rollout_correction.rollout_is": "token",
             "algorithm.rollout_correction.rollout_is_batch_normalize": "true",
             "algorithm.rollout_correction.rollout_rs": "token_k1",
-            "algorithm.rollout_correction.rollout_rs_threshold": 2.0},
+            "algorithm.rollout_correction.rollout_rs_threshold": 2.0,
+            # token-budget micro-batches everywhere (the grpo run takes the fixed-size path)
+            "actor.use_dynamic_bsz": "true", "critic.use_dynamic_bsz": "true", "ref.log_prob_use_dynamic_bsz": "true",
+            "rollout.log_prob_use_dynamic_bsz": "true", "actor.ppo_max_token_len_per_gpu": 600,
+            "critic.ppo_max_token_len_per_gpu": 600, "ref.log_prob_max_token_len_per_gpu": 600,
+            "rollout.log_prob_max_token_len_per_gpu": 600, "trainer.balance_batch": "false"},
     "grpo": {"algorithm.adv_estimator": "grpo", "actor.model.recompute_granularity": "selective", "rollout.n": 2, "algorithm.norm_adv_by_std_in_grpo": "false",
              "reward.custom_reward_function.path": str(VOWEL_REWARD),
              "reward.custom_reward_function.name": "compute_score",
-             "trainer.total_training_steps": "null", "data.train_max_samples": 4},  # total_epochs x 1 step
+             "trainer.total_training_steps": "null", "data.train_max_samples": 4,  # total_epochs x 1 step
+             # on Ray (one rank per role): the driver reads the cluster keys; the ranks' reads are not recorded
+             # here, the gae run (in-process) records those
+             "cluster.launcher": "ray", "cluster.placement": "split", "cluster.n_gpus_per_node": 2,
+             "cluster.actor.data_parallel_size": 1, "cluster.ref.data_parallel_size": 1},
 }
 
 
@@ -183,7 +185,7 @@ def test_use_distributed_optimizer_reaches_megatrons_optimizer(data_dir, tmp_pat
     from megatron_ppo.trainer.components import build_components
 
     def inner(worker):
-        return getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
+        return getattr(worker.worker.optimizer, "chained_optimizers", [worker.worker.optimizer])
 
     cfg = C.load_config("tiny_cpu", _overrides(data_dir, tmp_path, **{
         "cluster.actor.use_distributed_optimizer": "true", "cluster.critic.use_distributed_optimizer": "false"}))
@@ -196,4 +198,4 @@ def test_use_distributed_optimizer_reaches_megatrons_optimizer(data_dir, tmp_pat
         disable_cpu_platform()
     assert all(isinstance(o, DistributedOptimizer) for o in inner(parts.actor))
     assert not any(isinstance(o, DistributedOptimizer) for o in inner(parts.critic))
-    assert parts.actor.ddp.ddp_config.use_distributed_optimizer and not parts.critic.ddp.ddp_config.use_distributed_optimizer
+    assert parts.actor.worker.ddp.ddp_config.use_distributed_optimizer and not parts.critic.worker.ddp.ddp_config.use_distributed_optimizer

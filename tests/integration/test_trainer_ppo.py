@@ -30,6 +30,9 @@ def _overrides(data_dir: Path, tmp: Path, **extra) -> list[str]:
         "critic.ppo_mini_batch_size": 2, "critic.ppo_micro_batch_size_per_gpu": 2,
         "trainer.total_training_steps": 1, "trainer.test_freq": -1, "trainer.logger": "[jsonl]",
         "trainer.log_dir": str(tmp / "logs"),
+        # one in-process rank per role (LocalWorkerGroup); tests/integration/test_ppo_ray.py runs the Ray layouts
+        "cluster.launcher": "local", "cluster.n_gpus_per_node": 1,
+        "cluster.actor.tensor_model_parallel_size": 1, "cluster.ref.tensor_model_parallel_size": 1,
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
@@ -40,12 +43,13 @@ def data_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny_data")
 
 
-def _params(worker):
-    return {k: v.detach().clone() for k, v in worker.model.named_parameters()}
+def _params(group):
+    """The weights of a role's in-process rank (a LocalWorkerGroup's worker)."""
+    return {k: v.detach().clone() for k, v in group.worker.model.named_parameters()}
 
 
-def _changed(before, worker):
-    return [k for k, v in worker.model.named_parameters() if not torch.equal(before[k], v.detach())]
+def _changed(before, group):
+    return [k for k, v in group.worker.model.named_parameters() if not torch.equal(before[k], v.detach())]
 
 
 @pytest.mark.slow
@@ -70,7 +74,7 @@ def test_one_ppo_step_end_to_end(data_dir, tmp_path):
         assert _changed(actor0, parts.actor) and _changed(critic0, parts.critic)
         assert not _changed(ref0, parts.ref)
         lr = cfg.actor.optim.lr
-        assert parts.actor.optimizer.param_groups[0]["lr"] == pytest.approx(1e-5 + (lr - 1e-5) / 4)
+        assert parts.actor.worker.optimizer.param_groups[0]["lr"] == pytest.approx(1e-5 + (lr - 1e-5) / 4)
     finally:
         parallel.destroy()
         disable_cpu_platform()
@@ -118,9 +122,7 @@ def test_target_kl_guard_skips_the_update_after_a_large_step(data_dir, tmp_path)
 
 
 @pytest.mark.parametrize("override, name", [
-    ("cluster.n_gpus_per_node=2", "cluster (multi-rank)"),
     ("rollout.mode=offline rollout.trajectory_files=[t.parquet]", "rollout.mode=offline"),
-    ("actor.use_dynamic_bsz=true", "actor.use_dynamic_bsz"),
     ("trainer.save_freq=5", "trainer.save_freq > 0 (checkpointing)"),
     ("data.reward_fn_key=src", "data.reward_fn_key (rewards are chosen by data_source)"),
     ("actor.optim.optimizer=sgd", "actor.optim.optimizer=sgd (Adam only)"),
@@ -205,9 +207,10 @@ def test_actor_and_critic_start_from_an_hf_checkpoint(data_dir, tmp_path):
     parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
     try:
         parts = build_components(cfg)
-        got = megatron_logits(parts.actor.model, tokens, 2048)
+        got = megatron_logits(parts.actor.worker.model, tokens, 2048)
         assert (got - expected).abs().max().item() <= 1e-4
-        actor, critic = dict(parts.actor.model.named_parameters()), dict(parts.critic.model.named_parameters())
+        actor = dict(parts.actor.worker.model.named_parameters())
+        critic = dict(parts.critic.worker.model.named_parameters())
         backbone = [k for k in actor if k.startswith("decoder.")]
         assert backbone and all(torch.equal(actor[k], critic[k]) for k in backbone)
         assert tuple(critic["output_layer.weight"].shape)[0] == 1  # the value head, not the LM head

@@ -360,7 +360,7 @@ RULES = [
      ["actor.ppo_micro_batch_size_per_gpu: required unless use_dynamic_bsz"]),
     ("micro_batch_divides_mini_batch", "tiny_cpu", ["actor.ppo_micro_batch_size_per_gpu=3"],
      ["actor.ppo_micro_batch_size_per_gpu: must divide the per-rank mini-batch (4 sequences), got 3"]),
-    ("mini_batch_splits_over_dp", "tiny_cpu", ["cluster.n_gpus_per_node=8"],
+    ("mini_batch_splits_over_dp", "tiny_cpu", ["cluster.n_gpus_per_node=16"],
      ["actor.ppo_mini_batch_size: 4 prompts x rollout.n 1 = 4 sequences must split evenly over 8"]),
     ("dynamic_token_budget_fits_a_sequence", "tiny_cpu",
      ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=100"],

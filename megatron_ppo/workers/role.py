@@ -1,0 +1,206 @@
+"""The base of the role workers: a model shard built from the config inside its rank, the forward-only pass by
+micro-batches (fixed count or token budget), and the PPO update loop (epochs x mini-batches x micro-batches).
+
+Every rank of a role runs the same loop on its DP shard; every decision a rank takes (skip the update for the
+target-KL guard, a non-finite loss or gradient norm) is taken on values reduced over the pipeline and data-parallel
+groups, so all ranks take the same branch and the replicas' weights never diverge. Metrics come from the last
+pipeline stage and are reduced over DP with token weights (see ``reduce_metrics``); every rank ends with the same
+global values, so the driver reads any one replica's answer.
+
+DP semantics (verl's): ``ppo_mini_batch_size`` counts prompts over all replicas; a replica's mini-batch is
+``ppo_mini_batch_size x rollout.n / dp`` sequences of its shard; the loss normalisers (mini-batch tokens and
+sequences) are the GLOBAL counts, and each rank's loss is multiplied by dp because DDP averages the gradients over
+the replicas, so DP=2 gives the gradient of DP=1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_ppo import parallel
+from megatron_ppo.data.batch import RolloutBatch, micro_batches_by_tokens, pack_rows, split_rows
+from megatron_ppo.workers import build
+from megatron_ppo.workers.megatron_worker import MegatronWorker, _any_rank
+
+# Micro-batch metrics that are shares of the mini-batch loss (summed); all others are token-weighted means.
+SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss", "_loss")
+# Why an update was skipped: each is counted as <role>/updates_skipped_<reason>.
+SKIP_REASONS = ("nonfinite", "loss_scale_overflow", "kl_guard")
+
+
+class RoleWorker(MegatronWorker):
+    """One rank of a role: ``ROLE`` is the config section (actor, critic, ref), ``MODEL_ROLE`` build_gpt_model's."""
+
+    ROLE = "actor"
+    MODEL_ROLE = "actor"
+    TRAINABLE = True
+
+    def __init__(self, cfg, vocab_size: int, total_steps: int = 1):
+        self.cfg, self.vocab_size = cfg, vocab_size
+        par = getattr(cfg.cluster, self.ROLE)
+        # Re-seed before building: the reference (same layout and seed) starts bit-identical to the actor, whether
+        # it lives in the actor's process (launcher=local) or in its own (Ray).
+        parallel.seed_everything(cfg.trainer.seed)
+        role_cfg = getattr(cfg, self.ROLE)
+        super().__init__(self.MODEL_ROLE, build.model_arch(cfg, self.ROLE, vocab_size),
+                         optim=role_cfg.optim if self.TRAINABLE else None, total_steps=total_steps,
+                         params_dtype=build.params_dtype(cfg, self.ROLE),
+                         use_distributed_optimizer=par.use_distributed_optimizer if self.TRAINABLE else False,
+                         recompute=build.recompute(cfg, self.ROLE), sequence_parallel=par.sequence_parallel)
+        # sequence parallelism splits the packed row over TP: every sequence padded to a multiple of TP
+        self.align = parallel.tp_size() if par.sequence_parallel and parallel.tp_size() > 1 else 1
+        path = cfg.model_for(self.ROLE).path
+        if path is not None:
+            from pathlib import Path
+
+            from megatron_ppo.trainer.hf_import import load_hf_weights
+
+            cache = Path(cfg.trainer.expand(cfg.trainer.default_local_dir)) / "hf_import"
+            load_hf_weights(self.model, self.MODEL_ROLE, path, str(cache))
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """This rank's shard: model weights (and optimizer state for a trainable role)."""
+        out = {"model": self.model.state_dict()}
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def checksum(self) -> float:
+        """Sum of |w| over this rank's shard, float64: a cheap fingerprint for "did the weights change"."""
+        return float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    def micro_rows(self, batch: RolloutBatch, rows: list[int], size, dynamic: bool, max_tokens: int):
+        """``rows`` as micro-batches: a fixed number of rows, or (dynamic) a token budget per micro-batch."""
+        if dynamic:
+            return micro_batches_by_tokens(batch, rows, max_tokens, align=self.align)
+        return split_rows(rows, size or len(rows))
+
+    def forward_rows(self, batch: RolloutBatch, size, dynamic: bool, max_tokens: int, output_fn) -> dict | None:
+        """Forward-only outputs ([B, R] tensors) of every row, in row order; None on a non-last pipeline stage."""
+        groups = self.micro_rows(batch, list(range(batch.size)), size, dynamic, max_tokens)
+        outputs = self.forward([pack_rows(batch, g, align=self.align) for g in groups], output_fn)
+        if not outputs:
+            return None
+        order = torch.argsort(torch.as_tensor([r for g in groups for r in g]))
+        return {key: torch.cat([o[key] for o in outputs])[order] * batch.response_mask for key in outputs[0]}
+
+    def run_update(self, batch: RolloutBatch, step: int, keys: tuple, make_loss, guard=None) -> dict:
+        """ppo_epochs x mini-batches x micro-batches of this rank's shard, one optimizer step per mini-batch;
+        returns the step's global metrics (identical on every rank) and advances the lr schedule once."""
+        rc = getattr(self.cfg, self.ROLE)
+        dp = parallel.dp_size()
+        mini = max(rc.ppo_mini_batch_size * self.cfg.rollout.n // dp, 1)
+        results = []
+        for epoch in range(rc.ppo_epochs):
+            order = list(range(batch.size))
+            if rc.shuffle:
+                order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(
+                    self.cfg.trainer.seed * 1000 + step * 10 + epoch)).tolist()
+            for rows in split_rows(order, mini):
+                groups = self.micro_rows(batch, rows, rc.ppo_micro_batch_size_per_gpu, rc.use_dynamic_bsz,
+                                         rc.ppo_max_token_len_per_gpu)
+                micros = [pack_rows(batch, g, keys, align=self.align) for g in groups]
+                tokens, seqs = _dp_sum([float(batch.loss_mask[rows].sum()), float(len(rows))])
+                loss_fn = _scaled(make_loss(int(round(tokens)), int(round(seqs))), dp)
+                weights = [float(batch.loss_mask[g].sum()) for g in groups]
+                reduced = {}
+
+                def decide(per_micro, weights=weights, reduced=reduced):
+                    reduced.update(reduce_metrics(per_micro, weights))
+                    return guard is not None and _any_rank(guard.should_skip(reduced["actor/ppo_kl_k3"]))
+
+                result = self.train_step(micros, loss_fn, decide)
+                results.append({**result, "metrics": reduced})
+        return self._summarise(results)
+
+    def _summarise(self, results: list[dict]) -> dict:
+        role = "actor" if self.ROLE == "actor" else "critic"
+        metrics = {}
+        for key in results[0]["metrics"]:
+            if key != "_loss":
+                metrics[key] = sum(r["metrics"][key] for r in results) / len(results)
+        stepped = [r["grad_norm"] for r in results if not r["update_skipped"]]
+        metrics[f"{role}/grad_norm"] = sum(stepped) / len(stepped) if stepped else float("nan")
+        metrics[f"{role}/lr"] = self.step_lr_scheduler()
+        metrics[f"{role}/updates_skipped"] = float(sum(r["update_skipped"] for r in results))
+        for reason in SKIP_REASONS:
+            metrics[f"{role}/updates_skipped_{reason}"] = float(sum(r["skip_reason"] == reason for r in results))
+        bad = [r for r in results if r["skip_reason"] == "nonfinite"]
+        metrics["_nonfinite"] = {"count": len(bad), "of": len(results),
+                                 "loss": [r["metrics"]["_loss"] for r in bad],
+                                 "grad_norm": [r["grad_norm"] for r in bad]}
+        return metrics
+
+
+def _scaled(loss_fn, dp: int):
+    """The loss times dp (DDP averages gradients over the replicas; the normalisers are global counts), and the
+    unscaled loss recorded as the metric ``_loss``."""
+
+    def scaled(output, micro):
+        loss, metrics = loss_fn(output, micro)
+        return loss * dp if dp > 1 else loss, {**metrics, "_loss": loss.detach()}
+
+    return scaled
+
+
+def _dp_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if parallel.dp_size() > 1:
+        t = _all_reduce(t, _dp_group())
+    return t.tolist()
+
+
+def _dp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    from megatron_ppo.parallel.platform import default_device
+
+    dev = t.to(default_device())
+    dist.all_reduce(dev, group=group)
+    return dev.cpu()
+
+
+def reduce_metrics(per_micro: list[dict], weights: list[float]) -> dict:
+    """One mini-batch's metrics, global and identical on every rank.
+
+    per_micro: this rank's micro-batch metrics (empty on a non-last pipeline stage), weights: each micro-batch's
+    loss-mask tokens. Shares of the loss (SHARE_METRICS, normalised by the global mini-batch already) are summed;
+    every other metric is a per-micro-batch masked mean and becomes a token-weighted mean. The key list comes from
+    the last stage (broadcast over the pipeline group); sums go over the pipeline group (only the last stage
+    contributes) and the data-parallel group.
+    """
+    from megatron.core import parallel_state
+
+    pp = parallel.pp_size()
+    keys = sorted(per_micro[0]) if per_micro else []
+    if pp > 1:
+        holder = [keys]
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(holder, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+        keys = holder[0]
+    vec = torch.zeros(len(keys) + 1, dtype=torch.float64)
+    if per_micro:
+        for j, key in enumerate(keys):
+            if key in SHARE_METRICS:
+                vec[j] = sum(m[key] for m in per_micro)
+            else:
+                vec[j] = sum(m[key] * w for m, w in zip(per_micro, weights))
+        vec[-1] = sum(weights)
+    if pp > 1:
+        vec = _all_reduce(vec, parallel_state.get_pipeline_model_parallel_group())
+    if parallel.dp_size() > 1:
+        vec = _all_reduce(vec, _dp_group())
+    total = float(vec[-1])
+    return {key: float(vec[j]) if key in SHARE_METRICS else (float(vec[j]) / total if total > 0 else 0.0)
+            for j, key in enumerate(keys)}
