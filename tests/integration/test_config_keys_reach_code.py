@@ -37,8 +37,8 @@ BEHIND_A_REFUSED_SWITCH = {
        for key in ("use_distributed_optimizer", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                    "sequence_parallel", "data_parallel_size")},
 }
-# keys that cannot have an effect in the in-process driver; docs/config.md lists each with the reason
-NO_EFFECT_ON_ONE_RANK = ("cluster.ref.use_distributed_optimizer", "actor.entropy_from_logits_with_chunking")
+# keys that cannot have an effect; docs/config.md lists each with the reason
+NO_EFFECT = ("cluster.ref.use_distributed_optimizer", "actor.entropy_from_logits_with_chunking")
 # key -> (file, text of the line that reads it): read on a path the tiny runs do not take (an HF model directory)
 READ_ON_ANOTHER_PATH = {
     "trainer.default_local_dir": ("megatron_ppo/workers/role.py", "cfg.trainer.default_local_dir"),
@@ -157,7 +157,7 @@ def test_every_config_key_is_read_by_the_product_or_refused_by_name(data_dir, tm
         assert (run_dir / "logs" / "metrics.jsonl").read_text().count("\n") >= 1, name
 
     def listed(key):
-        return (any(key.startswith(p) for p in BEHIND_A_REFUSED_SWITCH) or key in NO_EFFECT_ON_ONE_RANK
+        return (any(key.startswith(p) for p in BEHIND_A_REFUSED_SWITCH) or key in NO_EFFECT
                 or key in READ_ON_ANOTHER_PATH)
 
     never_read = [key for key in _all_keys() if key not in recorder.reads and not listed(key)]
@@ -168,8 +168,8 @@ def test_every_config_key_is_read_by_the_product_or_refused_by_name(data_dir, tm
     for prefix, (switch, on) in BEHIND_A_REFUSED_SWITCH.items():
         assert switch in unsupported_settings(C.load_config("tiny_cpu", on)), (prefix, switch)
     docs = (REPO / "docs" / "config.md").read_text()
-    section = docs[docs.index("### Keys without effect on one rank"):]
-    for key in NO_EFFECT_ON_ONE_RANK:
+    section = docs[docs.index("### Keys without effect"):]
+    for key in NO_EFFECT:
         assert f"`{key}`" in section, key
     for key, (path, text) in READ_ON_ANOTHER_PATH.items():
         assert text in (REPO / path).read_text(), (key, path)

@@ -1,5 +1,5 @@
 """Every `megatron-ppo train` / `make train` command line in README.md's code blocks passes config loading and the
-train entry's refusal check (nothing is trained); commands marked "needs the distributed driver" must be refused.
+train entry's refusal check (nothing is trained); commands marked "needs checkpointing" must be refused.
 A README command that the driver would refuse is a defect this test catches."""
 import re
 import shlex
@@ -11,7 +11,7 @@ from megatron_ppo.config import load_config
 from megatron_ppo.trainer.entry import _parser, unsupported_settings
 
 REPO = Path(__file__).resolve().parents[2]
-MARK = "needs the distributed driver"
+MARK = "needs checkpointing"
 
 
 def _make_train_argv() -> list[str]:
@@ -23,7 +23,7 @@ def _make_train_argv() -> list[str]:
 
 
 def _readme_commands() -> list[tuple[str, list[str], bool]]:
-    """(line, train argv, marked as needing the distributed driver) for each train command in a fenced block."""
+    """(line, train argv, marked as needing checkpointing) for each train command in a fenced block."""
     text = (REPO / "README.md").read_text()
     out = []
     for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S):
@@ -53,9 +53,9 @@ def test_readme_train_command(line, argv, marked):
     args = _parser().parse_args(argv)
     refused = unsupported_settings(load_config(args.config, args.overrides))
     if marked:
-        assert refused, f"README marks {line!r} as needing the distributed driver, but it runs today: unmark it"
+        assert refused, f"README marks {line!r} as needing checkpointing, but it runs today: unmark it"
     else:
-        assert not refused, f"README command {line!r} is refused by the in-process driver ({refused})"
+        assert not refused, f"README command {line!r} is refused by the driver ({refused})"
 
 
 def test_readme_commands_run_one_after_another():
