@@ -220,7 +220,7 @@ def main(argv=None) -> int:
         for m in mutants:
             print(f"{m.name:45s} {m.path}: {m.what}")
         return 0
-    if not mutants:
+    if not mutants and not args.config_sweep:  # the sweep's line numbers are the copy's: checked there
         raise SystemExit(f"mutation_check: no mutant matches {args.k!r}")
     rows, survived = [], 0
     with tempfile.TemporaryDirectory(prefix="mutation_check_") as tmp:
@@ -232,6 +232,8 @@ def main(argv=None) -> int:
         _copy_tree(copy, args.worktree)
         _check_import(copy)
         mutants = select(copy)  # the sweep's snippets come from the copy's own checks.py
+        if not mutants:
+            raise SystemExit(f"mutation_check: no mutant matches {args.k!r}")
         for m in mutants:  # every snippet must exist before anything runs
             _original(copy, m)
         baseline = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
