@@ -75,6 +75,12 @@ class RoleWorker(MegatronWorker):
         """Sum of |w| over this rank's shard, float64: a cheap fingerprint for "did the weights change"."""
         return float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))
 
+    def peak_rss_mb(self) -> float:
+        """This rank's peak resident memory (the process's high-water mark), MiB."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     # ------------------------------------------------------------------------------------------------ helpers
     def micro_rows(self, batch: RolloutBatch, rows: list[int], size, dynamic: bool, max_tokens: int):
         """``rows`` as micro-batches: a fixed number of rows, or (dynamic) a token budget per micro-batch."""
