@@ -1,0 +1,217 @@
+"""Layouts of a PPO config: the configured one per role, every alternative on the same GPUs, and whether the
+colocated roles fit one GPU together (the driver keeps every role's weights, gradients and optimizer resident)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_ppo.models.arch import ModelArch
+from megatron_ppo.plan.memory import (GIB, OFFLOAD, RECOMPUTE, Hardware, Layout, Memory, Workload, decode_seconds,
+                                      forward_flops_per_token, memory, phase_seconds)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}  # auto: bf16 on the GPUs a plan is for
+
+
+def role_arch(cfg, role: str) -> ModelArch:
+    """The role's ModelArch without building anything: HF config.json (model.path) or the inline arch, whose
+    vocab_size null is the tokenizer's (data.preprocess.tokenizer_vocab_size when the run builds it)."""
+    model = cfg.model_for(role)
+    if model.path is not None:
+        from megatron_ppo.convert.mapping import arch_from_hf_config
+
+        return arch_from_hf_config(model.path)
+    fields = dataclasses.asdict(model.arch)
+    if fields["vocab_size"] is None:
+        if not cfg.data.preprocess.build_tokenizer:
+            raise ValueError(f"plan: {role}.model.arch.vocab_size is null and the vocabulary comes from a tokenizer "
+                             "the planner does not load; set actor.model.arch.vocab_size")
+        fields["vocab_size"] = cfg.data.preprocess.tokenizer_vocab_size
+    return ModelArch(**fields)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    role: str
+    arch: ModelArch
+    layout: Layout
+    work: Workload
+    mini_batch: int    # sequences per optimizer step (all DP ranks); 0 for ref
+    batch: int         # sequences per PPO step
+    epochs: int
+    response_len: int  # decode steps of generation
+
+
+def _recompute(model) -> str:
+    return model.recompute_granularity or "none"
+
+
+def role_specs(cfg, gpus: int | None = None) -> dict[str, RoleSpec]:
+    """{role: RoleSpec} for the roles the run builds, at the configured layout on ``gpus`` (default: the world)."""
+    from megatron_ppo.trainer.groups import roles
+
+    world = gpus or cfg.cluster.world_size
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    n = cfg.rollout.n
+    batch = cfg.data.train_batch_size * n
+    out = {}
+    for role in roles(cfg):
+        p = getattr(cfg.cluster, role)
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        dp = p.data_parallel_size or max(1, world // (tp * pp))
+        model = cfg.model_for(role)
+        if role == "actor":
+            micro, mini, epochs = cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_mini_batch_size * n, \
+                cfg.actor.ppo_epochs
+            dynamic, budget = cfg.actor.use_dynamic_bsz, cfg.actor.ppo_max_token_len_per_gpu
+        elif role == "critic":
+            micro, mini, epochs = cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.ppo_mini_batch_size * n, \
+                cfg.critic.ppo_epochs
+            dynamic, budget = cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu
+        else:
+            micro, mini, epochs = cfg.ref.log_prob_micro_batch_size_per_gpu, 0, 0
+            dynamic, budget = cfg.ref.log_prob_use_dynamic_bsz, cfg.ref.log_prob_max_token_len_per_gpu
+        if dynamic or not micro:  # a token budget: as many full-length sequences as it holds
+            micro = max(1, budget // seq)
+        per_dp = max(1, mini // dp) if mini else max(1, batch // dp)
+        work = Workload(seq_len=seq, micro_batch=micro, micro_batches=max(1, per_dp // micro),
+                        gen_batch=max(1, batch // dp) if role == "actor" else 0,
+                        param_bytes=DTYPE_BYTES[model.dtype], trainable=role != "ref")
+        layout = Layout(tp, pp, dp, p.sequence_parallel, p.use_distributed_optimizer, _recompute(model))
+        out[role] = RoleSpec(role, role_arch(cfg, role), layout, work, mini, batch, epochs,
+                             cfg.data.max_response_length)
+    return out
+
+
+def layout_problems(spec: RoleSpec, layout: Layout, gpus_per_node: int) -> list[str]:
+    """Why Megatron or the driver cannot run ``layout`` for this role (empty: it can)."""
+    a, out = spec.arch, []
+    if a.num_attention_heads % layout.tp or a.num_query_groups % layout.tp:
+        out.append(f"TP{layout.tp} does not divide heads {a.num_attention_heads} / KV groups {a.num_query_groups}")
+    if layout.tp > gpus_per_node:
+        out.append(f"TP{layout.tp} spans nodes ({gpus_per_node} GPUs per node)")
+    if a.num_layers % layout.pp:
+        out.append(f"PP{layout.pp} does not divide {a.num_layers} layers")
+    if spec.mini_batch and spec.mini_batch % layout.dp:
+        out.append(f"DP{layout.dp} does not divide the mini-batch of {spec.mini_batch} sequences")
+    if spec.batch % layout.dp:
+        out.append(f"DP{layout.dp} does not divide the batch of {spec.batch} sequences")
+    if layout.sp and layout.tp == 1:
+        out.append("sequence parallelism needs TP > 1")
+    if layout.offload != "none":
+        out.append("optimizer offload is a planner option only: the driver does not offload yet")
+    return out
+
+
+@dataclass
+class Row:
+    role: str
+    layout: Layout
+    mem: Memory
+    problems: list
+
+    @property
+    def feasible(self) -> bool:
+        return not self.problems
+
+
+def evaluate(spec: RoleSpec, layout: Layout, hw: Hardware, gpus_per_node: int) -> Row:
+    mem = memory(spec.arch, spec.role, layout, spec.work)
+    problems = layout_problems(spec, layout, gpus_per_node)
+    budget = (hw.gpu_mem_gib - hw.headroom_gib) * GIB
+    if mem.total > budget:
+        problems.append(f"needs {mem.total / GIB:.1f} GiB > {hw.gpu_mem_gib:g} - {hw.headroom_gib:g} GiB headroom "
+                        "(alone on the GPU)")
+    return Row(spec.role, layout, mem, problems)
+
+
+def enumerate_layouts(spec: RoleSpec, gpus: int, gpus_per_node: int, hw: Hardware) -> list[Row]:
+    """Every (TP, PP, DP = gpus / (TP x PP), recompute, offload) for the role, SP on wherever TP > 1."""
+    rows = []
+    tps = [t for t in range(1, gpus_per_node + 1) if gpus_per_node % t == 0 and gpus % t == 0]
+    for tp in tps:
+        for pp in range(1, spec.arch.num_layers + 1):
+            if spec.arch.num_layers % pp or gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            recomputes = RECOMPUTE if spec.work.trainable and spec.role != "ref" else ("none",)
+            offloads = OFFLOAD if spec.work.trainable and spec.role != "ref" else ("none",)
+            for rc in recomputes:
+                for off in offloads:
+                    sp = tp > 1 and (spec.layout.sp or spec.layout.tp == 1)  # the configured choice; on for new TP > 1
+                    layout = Layout(tp, pp, dp, sp, spec.layout.distributed_optimizer, rc, off)
+                    rows.append(evaluate(spec, layout, hw, gpus_per_node))
+    return rows
+
+
+def colocated(specs: dict[str, RoleSpec], hw: Hardware, gpus_per_node: int) -> tuple[dict[str, Row], float, list]:
+    """The configured layouts sharing every GPU: sum of the roles' resident bytes + the largest transient."""
+    rows = {r: evaluate(s, s.layout, hw, gpus_per_node) for r, s in specs.items()}
+    total = sum(r.mem.resident for r in rows.values()) + max(r.mem.transient for r in rows.values())
+    problems = [f"{r}: {p}" for r, row in rows.items() for p in row.problems if "alone on the GPU" not in p]
+    budget = (hw.gpu_mem_gib - hw.headroom_gib) * GIB
+    if total > budget:
+        problems.append(f"colocated roles need {total / GIB:.1f} GiB per GPU > {hw.gpu_mem_gib:g} - "
+                        f"{hw.headroom_gib:g} GiB headroom")
+    return rows, total, problems
+
+
+MARGIN = 0.15  # the tolerance docs/scaling.md validates the parameter/optimizer memory model to
+
+
+def recommend_pp(specs: dict[str, RoleSpec], gpus: int, hw: Hardware, gpus_per_node: int,
+                 margin: float = MARGIN) -> int | None:
+    """The smallest PP (same for every role, TP and the rest as configured) at which the colocated roles fit even
+    if the model underestimates by ``margin``."""
+    arch = specs["actor"].arch
+    tp = max(s.layout.tp for s in specs.values())
+    for pp in range(1, arch.num_layers + 1):
+        if arch.num_layers % pp or gpus % (tp * pp):
+            continue
+        trial = {r: dataclasses.replace(s, layout=dataclasses.replace(
+            s.layout, pp=pp, dp=gpus // (s.layout.tp * pp))) for r, s in specs.items()
+            if gpus % (s.layout.tp * pp) == 0}
+        if len(trial) != len(specs):
+            continue
+        _, total, problems = colocated(trial, hw, gpus_per_node)
+        if not problems and total * (1 + margin) <= (hw.gpu_mem_gib - hw.headroom_gib) * GIB:
+            return pp
+    return None
+
+
+def step_time(specs: dict[str, RoleSpec], gpus: int, hw: Hardware) -> dict[str, float]:
+    """Seconds per PPO step by phase at max lengths: FLOPs at hw.mfu for forward/training phases (x4/3 for full
+    recompute, x(1 + (PP-1)/m) pipeline bubble), and generation as the slower of FLOPs at hw.mfu and memory-bound
+    decoding (each decode step reads the rank's weights and KV cache)."""
+    actor = specs["actor"]
+    seq, batch = actor.work.seq_len, actor.batch
+    out = {}
+    for role, spec in specs.items():
+        tokens = batch * seq
+        fwd = forward_flops_per_token(spec.arch, seq) * tokens
+        lay = spec.layout
+        bubble = 1 + (lay.pp - 1) / max(1, spec.work.micro_batches)
+        if role == "ref":
+            out["ref_log_prob"] = phase_seconds(fwd, gpus, hw) * bubble
+            continue
+        train = 3 * fwd + (fwd if lay.recompute == "full" else 0)
+        name = "values" if role == "critic" else "old_log_prob"
+        out[name] = phase_seconds(fwd, gpus, hw) * bubble
+        out[f"{role}_update"] = phase_seconds(train * spec.epochs, gpus, hw) * bubble
+    mem = memory(actor.arch, "actor", actor.layout, actor.work)
+    gen_flops = forward_flops_per_token(actor.arch, seq) * batch * seq
+    out["generate"] = max(phase_seconds(gen_flops, gpus, hw),
+                          decode_seconds(actor.response_len, mem.weights + mem.kv_cache, hw) * actor.layout.pp)
+    out["step"] = sum(out.values())
+    out["tokens_per_s"] = batch * seq / out["step"]
+    return out
+
+
+def with_world(specs: dict[str, RoleSpec], gpus: int) -> dict[str, RoleSpec]:
+    """The configured TP/PP on ``gpus`` GPUs (DP recomputed unless the config fixes it)."""
+    return {r: dataclasses.replace(s, layout=dataclasses.replace(s.layout, dp=max(1, gpus // (s.layout.tp *
+                                                                                               s.layout.pp))))
+            for r, s in specs.items()}
+
+
+__all__ = ["RoleSpec", "Row", "role_specs", "enumerate_layouts", "colocated", "recommend_pp", "step_time",
+           "evaluate", "layout_problems", "role_arch", "with_world"]
