@@ -43,7 +43,11 @@ def run_one(launcher: str, steps: int, out_dir: str, arch: str | None) -> dict:
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import PPOTrainer
 
+    from megatron_ppo.config import to_yaml
+    from megatron_ppo.trainer.tracking import claim_log_dir
+
     cfg = load_config("tiny_cpu", overrides(launcher, steps, out_dir, arch))
+    claim_log_dir(cfg.trainer, to_yaml(cfg))  # trainer.overwrite=true: a re-run replaces the last one's records
     start = time.perf_counter()
     parts = build_components(cfg)
     try:

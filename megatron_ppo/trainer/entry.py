@@ -29,7 +29,7 @@ def unsupported_settings(cfg) -> list[str]:
         "reward.reward_model.enable": cfg.reward.reward_model.enable,
         "trainer.save_freq > 0 (checkpointing)": cfg.trainer.save_freq > 0,
         "trainer.resume_mode=resume_path": cfg.trainer.resume_mode == "resume_path",
-        # read nowhere else in the in-process driver (tests/integration/test_config_keys_reach_code.py proves that
+        # read nowhere else in the driver or the workers (tests/integration/test_config_keys_reach_code.py proves that
         # every other key reaches the code it names)
         "data.reward_fn_key (rewards are chosen by data_source)": cfg.data.reward_fn_key != "data_source",
         "actor.optim.optimizer=sgd (Adam only)": cfg.actor.optim.optimizer != "adam",

@@ -36,13 +36,15 @@ class RoleWorker(MegatronWorker):
     TRAINABLE = True
 
     def __init__(self, cfg, vocab_size: int, total_steps: int = 1):
-        self.cfg, self.vocab_size = cfg, vocab_size
+        self.cfg = cfg
         par = getattr(cfg.cluster, self.ROLE)
+        arch = build.model_arch(cfg, self.ROLE, vocab_size)  # vocab_size: the tokenizer's; the model may have more
+        self.vocab_size = arch.vocab_size  # log-probs over the model's vocabulary (sampling draws from all of it)
         # Re-seed before building: the reference (same layout and seed) starts bit-identical to the actor, whether
         # it lives in the actor's process (launcher=local) or in its own (Ray).
         parallel.seed_everything(cfg.trainer.seed)
         role_cfg = getattr(cfg, self.ROLE)
-        super().__init__(self.MODEL_ROLE, build.model_arch(cfg, self.ROLE, vocab_size),
+        super().__init__(self.MODEL_ROLE, arch,
                          optim=role_cfg.optim if self.TRAINABLE else None, total_steps=total_steps,
                          params_dtype=build.params_dtype(cfg, self.ROLE),
                          use_distributed_optimizer=par.use_distributed_optimizer if self.TRAINABLE else False,

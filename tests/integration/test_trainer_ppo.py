@@ -351,3 +351,56 @@ def test_max_consecutive_skips_counts_only_consecutive_steps(data_dir, tmp_path)
         disable_cpu_platform()
     assert [m["critic/updates_skipped_nonfinite"] for m in history] == [2, 2]
     assert not _changed(critic0, parts.critic)
+
+
+def test_token_budget_micro_batches_give_the_fixed_size_update(data_dir, tmp_path):
+    """use_dynamic_bsz (micro-batches by ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu) splits the
+    same mini-batch differently but, the losses being normalised by the whole mini-batch, the step is the same."""
+    from megatron_ppo.parallel.platform import disable_cpu_platform
+    from megatron_ppo.trainer.components import build_components
+    from megatron_ppo.trainer.ppo import PPOTrainer
+
+    common = {"actor.ppo_mini_batch_size": 4, "critic.ppo_mini_batch_size": 4,
+              "actor.ppo_micro_batch_size_per_gpu": 1, "critic.ppo_micro_batch_size_per_gpu": 1}
+    dynamic = {"actor.use_dynamic_bsz": "true", "critic.use_dynamic_bsz": "true",
+               "rollout.log_prob_use_dynamic_bsz": "true", "ref.log_prob_use_dynamic_bsz": "true",
+               **{f"{k}": 600 for k in ("actor.ppo_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu",
+                                        "rollout.log_prob_max_token_len_per_gpu", "ref.log_prob_max_token_len_per_gpu")}}
+    runs = {}
+    for name, extra in (("fixed", {}), ("dynamic", dynamic)):
+        cfg = load_config("tiny_cpu", _overrides(data_dir, tmp_path / name, **common, **extra))
+        parts = build_components(cfg)
+        try:
+            if name == "dynamic":  # the budget really packs several rows per micro-batch
+                from megatron_ppo.data.batch import RolloutBatch, micro_batches_by_tokens
+
+                b = RolloutBatch([torch.ones(100, dtype=torch.long)] * 4, torch.ones(4, 8, dtype=torch.long),
+                                 torch.ones(4, 8))
+                assert len(micro_batches_by_tokens(b, [0, 1, 2, 3], 600)) == 1
+            runs[name] = PPOTrainer(cfg, parts).fit(1)[0]
+        finally:
+            parts.close()
+            disable_cpu_platform()
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm",
+                "rollout/logprob_abs_diff_max", "actor/ppo_kl_k3"):
+        assert runs["dynamic"][key] == pytest.approx(runs["fixed"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_model_vocabulary_larger_than_the_tokenizers_is_scored_over_the_whole_vocabulary(data_dir, tmp_path):
+    """An arch with vocab_size 4096 over the 2048-token tokenizer (as an HF model with padded embeddings): the
+    sampler draws from all 4096 ids, so the log-probs must be over the model's vocabulary, not the tokenizer's."""
+    from megatron_ppo.parallel.platform import disable_cpu_platform
+    from megatron_ppo.trainer.components import build_components
+    from megatron_ppo.trainer.ppo import PPOTrainer
+
+    arch = ("{num_layers: 2, hidden_size: 64, ffn_hidden_size: 256, num_attention_heads: 4, num_query_groups: 2, "
+            "max_position_embeddings: 512, vocab_size: 4096}")
+    cfg = load_config("tiny_cpu", _overrides(data_dir, tmp_path, **{"actor.model.arch": arch}))
+    parts = build_components(cfg)
+    try:
+        trainer = PPOTrainer(cfg, parts)
+        metrics = trainer.fit(1)[0]
+    finally:
+        parts.close()
+        disable_cpu_platform()
+    assert metrics["rollout/logprob_abs_diff_max"] < 1e-4 and metrics["actor/updates_skipped"] == 0
