@@ -116,10 +116,35 @@ def _lr_scheduler(optimizer, optim, total_steps: int):
     min_lr = optim.min_lr if optim.lr_decay_style != "constant" else optim.lr
     for group in optimizer.param_groups:  # get_megatron_optimizer leaves min_lr=None in each group, and the
         group["max_lr"], group["min_lr"] = optim.lr, min_lr  # scheduler prefers a group's values to its own
-    return OptimizerParamScheduler(
+    return _RestorableScheduler(
         optimizer, init_lr=optim.lr_warmup_init, max_lr=optim.lr, min_lr=min_lr,
         lr_warmup_steps=warmup, lr_decay_steps=decay_steps, lr_decay_style=optim.lr_decay_style,
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+
+
+def _restorable_scheduler_class():
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class RestorableScheduler(OptimizerParamScheduler):
+        """Megatron's scheduler whose load_state_dict restores the SAVED schedule exactly.
+
+        Megatron's own load (0.16.1) takes max_lr/min_lr from the state but computes the lr from each param
+        group's max_lr/min_lr (which _lr_scheduler writes from the current config), and adds the saved num_steps
+        to its own count instead of setting it: a schedule restored into a scheduler built from another config
+        (or one that already stepped) ran the wrong curve."""
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            for group in self.optimizer.param_groups:
+                group["max_lr"], group["min_lr"] = float(state_dict["max_lr"]), float(state_dict["min_lr"])
+            self.num_steps = 0
+            super().load_state_dict(state_dict)
+            self.step(increment=0)  # weight decay too, from the restored wd settings
+
+    return RestorableScheduler
+
+
+def _RestorableScheduler(*args, **kwargs):  # noqa: N802 - a class, built lazily (megatron imports are heavy)
+    return _restorable_scheduler_class()(*args, **kwargs)
 
 
 def _any_rank(flag: bool) -> bool:

@@ -2,8 +2,8 @@
 
 A resume test that rebuilds the object with the same arguments cannot see a ``load_state_dict`` that forgets a
 field: the constructor already put the right value there. Here the restored object starts from other arguments,
-so every field the continuation depends on must come from the state. (The trainer checkpoint does not exist
-yet; its round trip belongs to the issue that adds it.)
+so every field the continuation depends on must come from the state. (The trainer checkpoint's round trip:
+tests/integration/test_trainer_resume.py.)
 """
 from __future__ import annotations
 
@@ -103,14 +103,11 @@ def test_lr_scheduler_restored_into_same_arguments_continues_identically():
     assert _lrs(opt2, resumed, 7) == pytest.approx(expected[5:], rel=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="bug found by this test: _lr_scheduler writes max_lr/min_lr into each param "
-                   "group and megatron's scheduler prefers the group's values, so a restored schedule runs its "
-                   "saved shape with the NEW config's lr (the checkpoint's max_lr/min_lr are ignored). Fix in "
-                   "the role workers (being rewritten): restore the groups' max_lr/min_lr on load.")
 def test_lr_scheduler_restored_into_other_arguments_continues_identically():
     expected = _lrs(*_scheduler(**SAVED), 12)
     opt, first = _scheduler(**SAVED)
     _lrs(opt, first, 5)
     opt2, resumed = _scheduler(lr=5e-2, lr_warmup_steps=1, lr_decay_style="linear", min_lr=0.0)
+    _lrs(opt2, resumed, 2)  # a scheduler that already stepped: the saved count must replace its own
     resumed.load_state_dict(_json(first.state_dict()))
     assert _lrs(opt2, resumed, 7) == pytest.approx(expected[5:], rel=1e-12)
