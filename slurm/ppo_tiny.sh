@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The tiny CPU run (configs/tiny_cpu.yaml: 2 CPU ranks) as a Slurm job, through the same bring-up as ppo_70b.sh:
+#   sbatch slurm/ppo_tiny.sh [key=value ...]          (from the repository root; overrides go to megatron-ppo train)
+# CONFIG (default configs/tiny_cpu.yaml) and MPPO_VENV may be set in the environment. tests/slurm/ submits it.
+#SBATCH --job-name=mppo-tiny
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=2
+#SBATCH --time=00:15:00
+#SBATCH --signal=B:USR1@60
+#SBATCH --requeue
+#SBATCH --output=slurm-%x-%j.out
+set -euo pipefail
+cd "${SLURM_SUBMIT_DIR:-.}"
+# shellcheck source=slurm/ray_on_slurm.sh
+source "${MPPO_SLURM_DIR:-slurm}/ray_on_slurm.sh"
+
+mppo_ray_up
+mppo_run_driver megatron-ppo train --config "${CONFIG:-configs/tiny_cpu.yaml}" trainer.resume_mode=auto \
+  cluster.device=cpu "$@"

@@ -1,0 +1,121 @@
+"""Real Slurm jobs on the session's one-node cluster: slurm/ppo_tiny.sh end to end, fail-fast when a node's Ray
+process dies, teardown leaves nothing, and shellcheck on slurm/*.sh."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _ray_processes(job_id: str) -> list:
+    """Processes of this job's Ray cluster: their command line names its per-job temp dir."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(f"/tmp/ray-{job_id}-" in part for part in (p.info["cmdline"] or [])):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _job_state(cluster, job_id: str) -> str:
+    r = cluster.run("scontrol", "show", "job", job_id, check=False)
+    for tok in r.stdout.split():
+        if tok.startswith("JobState="):
+            return tok.split("=", 1)[1]
+    return "GONE"
+
+
+def _wait_done(cluster, job_id: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = _job_state(cluster, job_id)
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} still {state} after {timeout} s")
+
+
+def _exit_code(out_text: str) -> int | None:
+    for line in out_text.splitlines()[::-1]:
+        if "teardown done (exit " in line:
+            return int(line.rsplit("(exit ", 1)[1].rstrip(")"))
+    return None
+
+
+def test_shellcheck_clean(shellcheck):
+    scripts = sorted(str(p) for p in (REPO / "slurm").glob("*.sh")) + \
+        sorted(str(p) for p in (REPO / "tests/slurm/jobs").glob("*.sh"))
+    assert len(scripts) >= 3
+    r = subprocess.run([shellcheck, "-x", *scripts], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_ppo_tiny_runs_end_to_end(slurm_cluster, tmp_path):
+    """sbatch --wait slurm/ppo_tiny.sh: Ray head inside the job, the driver against it, metrics written."""
+    logs, out = tmp_path / "logs", tmp_path / "job.out"
+    start = time.monotonic()
+    r = slurm_cluster.run("sbatch", "--wait", "--parsable", f"--output={out}", "slurm/ppo_tiny.sh",
+                          "trainer.total_training_steps=2", f"trainer.log_dir={logs}", check=False, timeout=600,
+                          cwd=REPO)
+    text = out.read_text(errors="replace") if out.exists() else ""
+    assert r.returncode == 0, f"sbatch exit {r.returncode}: {r.stderr}\n{text[-4000:]}"
+    job_id = r.stdout.strip().split(";")[0]
+    assert "Ray cluster up: joined: " in text and "driver exited with 0" in text
+    records = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [rec for rec in records if "actor/pg_loss" in rec]
+    assert len(steps) == 2, records
+    assert all(rec["perf/total_num_tokens"] > 0 for rec in steps)
+    assert not _ray_processes(job_id), "Ray processes of the job survived it"
+    print(f"ppo_tiny job {job_id}: {time.monotonic() - start:.0f} s")
+
+
+def test_dead_ray_process_fails_the_job_naming_the_node(slurm_cluster, tmp_path):
+    """Kill the node's raylet while the driver runs: the job exits non-zero within a minute, naming the node."""
+    marker, out = tmp_path / "ready", tmp_path / "job.out"
+    env_args = [f"--export=ALL,MARKER={marker},HOLD_S=600"]
+    r = slurm_cluster.run("sbatch", "--parsable", f"--output={out}", *env_args, "tests/slurm/jobs/ray_tasks.sh",
+                          cwd=REPO)
+    job_id = r.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 240
+    while not marker.exists():
+        assert time.monotonic() < deadline, f"job never got ready:\n{out.read_text(errors='replace')[-3000:]}"
+        assert _job_state(slurm_cluster, job_id) in ("PENDING", "RUNNING", "CONFIGURING"), \
+            out.read_text(errors="replace")[-3000:]
+        time.sleep(0.5)
+    raylets = [p for p in _ray_processes(job_id) if "raylet" in " ".join(p.cmdline()[:1])]
+    assert raylets, [p.cmdline()[:2] for p in _ray_processes(job_id)]
+    killed_at = time.monotonic()
+    for p in raylets:
+        p.kill()
+    state = _wait_done(slurm_cluster, job_id, timeout=90)
+    elapsed = time.monotonic() - killed_at
+    text = out.read_text(errors="replace")
+    assert f"node {slurm_cluster.node}: its Ray process" in text, text[-3000:]
+    assert _exit_code(text) not in (0, None), text[-2000:]
+    assert state == "FAILED", state
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to fail"
+    assert "driver done" not in text
+    time.sleep(1)
+    assert not _ray_processes(job_id), [p.cmdline()[:2] for p in _ray_processes(job_id)]
+    print(f"raylet killed -> job {job_id} FAILED in {elapsed:.1f} s")
+
+
+def test_ray_tasks_on_every_node_and_clean_exit(slurm_cluster, tmp_path):
+    """The bring-up with a driver that runs a Ray task on every node: exit 0, nothing left running."""
+    marker, out = tmp_path / "ready", tmp_path / "job.out"
+    r = slurm_cluster.run("sbatch", "--wait", "--parsable", f"--output={out}", f"--export=ALL,MARKER={marker}",
+                          "tests/slurm/jobs/ray_tasks.sh", check=False, timeout=300, cwd=REPO)
+    text = out.read_text(errors="replace")
+    assert r.returncode == 0, text[-3000:]
+    assert f"ray tasks ran on ['{slurm_cluster.node}']" in text and marker.exists()
+    assert not _ray_processes(r.stdout.strip().split(";")[0])
