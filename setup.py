@@ -24,6 +24,7 @@ INSTALL_REQUIRES = [
     "psutil",  # megatron dist_checkpointing hangs on save without it
     "tqdm",  # megatron's inference engine imports it
     "rich",
+    "matplotlib>=3.8",  # the run directory's PNG curves (trainer/plots.py); pure CPU wheels, nothing CUDA
 ]
 
 EXTRAS = {

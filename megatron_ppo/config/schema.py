@@ -44,7 +44,8 @@ ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
 class PreprocessConfig:
     """Inputs the train command builds itself (megatron_ppo.data.preprocess / data.tokenizer), for the tiny default."""
 
-    dataset: Optional[Literal["gsm8k"]] = field(None, "raw dataset converted by `megatron-ppo preprocess` when "
+    dataset: Optional[Literal["gsm8k", "arithmetic"]] = field(None, "dataset (gsm8k: raw files; arithmetic: "
+                                                              "generated) written by `megatron-ppo preprocess` when "
                                                 "its outputs (output_dir/train.parquet, test.parquet) do not exist "
                                                 "yet; null: off", None)
     input_dir: Optional[str] = field(None, "raw files (gsm8k: train.jsonl, test.jsonl); null: $MEGATRON_PPO_GSM8K_DIR, "

@@ -1,6 +1,7 @@
 """`megatron-ppo preprocess <dataset>`: raw datasets -> verl-schema parquet (and the project's small tokenizer).
 
     megatron-ppo preprocess gsm8k --input ../shared/data/gsm8k --out data/gsm8k
+    megatron-ppo preprocess arithmetic --out data/arithmetic     # generated "What is 3 + 4?" -> #### 7 (tiny default)
     megatron-ppo preprocess tokenizer --input ../shared/data/gsm8k --out .cache/tokenizers
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from megatron_ppo.data import gsm8k
+from megatron_ppo.data import arithmetic, gsm8k
 from megatron_ppo.data.manifest import sha256_file, write_set
 from megatron_ppo.data.schema import GSM8K_PROMPT_SCHEMA
 
@@ -43,6 +44,24 @@ def preprocess_gsm8k(input_dir: str | Path, out_dir: str | Path, splits=gsm8k.SP
     return counts
 
 
+def preprocess_arithmetic(out_dir: str | Path, train_rows: int = arithmetic.DEFAULT_ROWS["train"],
+                          test_rows: int = arithmetic.DEFAULT_ROWS["test"], seed: int = 0) -> dict[str, int]:
+    """Write the generated arithmetic task (data/arithmetic.py) as `<out>/train.parquet` and `test.parquet`, one
+    set with a manifest like GSM8K's."""
+    counts = {"train": train_rows, "test": test_rows}
+    for split, n in counts.items():
+        if n < 1:
+            raise ValueError(f"arithmetic: {split} rows must be >= 1, got {n}")
+    tables = {f"{split}.parquet": pa.Table.from_pylist(arithmetic.rows(split, n, seed), schema=GSM8K_PROMPT_SCHEMA)
+              for split, n in counts.items()}
+    write_set(out_dir, tables, {"dataset": "arithmetic", "seed": seed, "rows": counts})
+    log.info("arithmetic: %s rows -> %s", counts, out_dir)
+    return counts
+
+
+PREPROCESSORS = ("gsm8k", "arithmetic")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-ppo preprocess", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="dataset", required=True)
@@ -50,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--input", default=str(gsm8k.default_gsm8k_dir()), help="folder with train.jsonl and test.jsonl")
     g.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
     g.add_argument("--splits", nargs="+", default=list(gsm8k.SPLITS), choices=gsm8k.SPLITS)
+    a = sub.add_parser("arithmetic", help="generated single-digit sums in GSM8K format (the tiny default's task)")
+    a.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
+    a.add_argument("--train-rows", type=int, default=arithmetic.DEFAULT_ROWS["train"])
+    a.add_argument("--test-rows", type=int, default=arithmetic.DEFAULT_ROWS["test"])
+    a.add_argument("--seed", type=int, default=0)
     t = sub.add_parser("tokenizer", help="build the small byte-level BPE tokenizer from GSM8K text (cached)")
     t.add_argument("--input", default=str(gsm8k.default_gsm8k_dir()), help="folder with GSM8K train.jsonl")
     t.add_argument("--out", required=True, help="cache folder; the tokenizer goes in a sub-folder named by its key")
@@ -63,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.dataset == "gsm8k":
             counts = preprocess_gsm8k(args.input, args.out, args.splits)
+            for split, n in counts.items():
+                print(f"{split}: {n} rows -> {Path(args.out) / (split + '.parquet')}")
+        elif args.dataset == "arithmetic":
+            counts = preprocess_arithmetic(args.out, args.train_rows, args.test_rows, args.seed)
             for split, n in counts.items():
                 print(f"{split}: {n} rows -> {Path(args.out) / (split + '.parquet')}")
         else:

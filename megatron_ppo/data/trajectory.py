@@ -157,6 +157,21 @@ def trajectory_table(batch: Mapping[str, Sequence], behaviour_policy: Mapping | 
     return pa.table(cols)
 
 
+_ROW = "__megatron_ppo_file_row"
+TOKENIZER_METADATA = b"megatron_ppo.tokenizer_sha256"  # parquet schema metadata: which tokenizer the ids are of
+
+
+def tokenizer_fingerprint(tokenizer) -> str | None:
+    """sha256 of the tokenizer's token -> id map (what the stored ids mean); None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    import hashlib
+    import json
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
 class TrajectoryWriter:
     """Dumps rollout batches for later offline replay: `append(step, batch)` writes `step_{step:08d}.parquet`.
 
@@ -164,10 +179,14 @@ class TrajectoryWriter:
     step's file instead of duplicating its rows. The batch is validated before anything is written.
     """
 
-    def __init__(self, dump_dir: str | Path, policy_name: str | None = None, temperature: float | None = None):
+    def __init__(self, dump_dir: str | Path, policy_name: str | None = None, temperature: float | None = None,
+                 tokenizer=None):
+        """tokenizer: its fingerprint goes into each file's metadata, so an offline run with another tokenizer
+        refuses the ids instead of training on what they mean there."""
         self.dump_dir = Path(dump_dir)
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         self.policy_name, self.temperature = policy_name, temperature
+        self.fingerprint = tokenizer_fingerprint(tokenizer)
 
     def path_for(self, step: int) -> Path:
         return self.dump_dir / f"step_{step:08d}.parquet"
@@ -176,6 +195,9 @@ class TrajectoryWriter:
         policy = {"name": self.policy_name, "step": int(step), "temperature": self.temperature}
         table = trajectory_table(batch, policy)
         table, _ = validate_trajectory_table(table, f"batch (step {step})", empty_response_policy="error")
+        if self.fingerprint is not None:
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                                   TOKENIZER_METADATA: self.fingerprint.encode()})
         path = self.path_for(step)
         if path.exists():
             log.warning("trajectory dump %s exists; replacing it (step %d was run again)", path, step)
@@ -188,7 +210,8 @@ class TrajectoryDataset:
     Prompt ids come from `prompt_ids` when stored, else from the tokenizer's chat template; response ids from
     `response_ids`, else by tokenising `response` (then its token count must match the log-probs).
     Item i: prompt_ids, response_ids (list[int]), rollout_log_probs (float32 array), reward (float | None),
-    raw_prompt, data_source, reward_model, extra_info, ability, behaviour_policy, response (text | None).
+    raw_prompt, data_source, reward_model, extra_info, ability, behaviour_policy, response (text | None),
+    source ("<file>: row <r>", for errors), tokenizer (the writer's tokenizer fingerprint, or None).
     """
 
     def __init__(self, data_files: str | Path | Iterable[str | Path], tokenizer=None,
@@ -198,8 +221,10 @@ class TrajectoryDataset:
         self.stats = {"rows_read": 0, "rows_kept": 0, "filtered_empty_response": 0}
         for path, table in read_tables(expand_parquet_paths(data_files)):
             n_read = table.num_rows
+            table = table.append_column(_ROW, pa.array(np.arange(n_read)))  # file rows survive the filtering
             table, n_empty = validate_trajectory_table(table, str(path), empty_response_policy)
-            self._add(path, table)
+            kept = table[_ROW].to_numpy()
+            self._add(path, table.drop_columns([_ROW]), kept)
             self.stats["rows_read"] += n_read
             self.stats["filtered_empty_response"] += n_empty
         self.stats["rows_kept"] = len(self.items)
@@ -211,8 +236,10 @@ class TrajectoryDataset:
             raise ValueError(f"{path}: no {column!r} column, so a tokenizer is needed to tokenise it")
         return self.tokenizer
 
-    def _add(self, path: Path, table: pa.Table) -> None:
+    def _add(self, path: Path, table: pa.Table, kept_rows: np.ndarray) -> None:
         names = table.schema.names
+        fingerprint = (table.schema.metadata or {}).get(TOKENIZER_METADATA)
+        fingerprint = fingerprint.decode() if fingerprint is not None else None
         rows = table.to_pylist()
         if "prompt_ids" in names:
             prompt_ids = [r["prompt_ids"] for r in rows]
@@ -231,8 +258,10 @@ class TrajectoryDataset:
                     raise TrajectoryError(f"{path}: row {i}: 'response' tokenises to {len(ids)} tokens but "
                                           f"'rollout_log_probs' has {len(r['rollout_log_probs'])} values "
                                           "(store 'response_ids' to pin the exact tokens)")
-        for r, p_ids, r_ids in zip(rows, prompt_ids, response_ids):
+        for r, p_ids, r_ids, row in zip(rows, prompt_ids, response_ids, kept_rows):
             self.items.append({
+                "source": f"{path}: row {int(row)}",
+                "tokenizer": fingerprint,
                 "prompt_ids": list(p_ids),
                 "response_ids": list(r_ids),
                 "rollout_log_probs": np.asarray(r["rollout_log_probs"], dtype=np.float32),

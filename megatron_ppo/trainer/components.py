@@ -13,13 +13,14 @@ from megatron_ppo.algo.kl_control import build_kl_controller
 from megatron_ppo.data.gsm8k import SPLITS as GSM8K_SPLITS
 from megatron_ppo.data.gsm8k import default_gsm8k_dir
 from megatron_ppo.data.parquet_io import expand_parquet_paths
-from megatron_ppo.data.preprocess import preprocess_gsm8k
+from megatron_ppo.data.preprocess import preprocess_arithmetic, preprocess_gsm8k
 from megatron_ppo.data.prompt_dataset import PromptDataset, overlong_policy_from_verl
 from megatron_ppo.data.sampler import StatefulSampler
 from megatron_ppo.data.tokenizer import gsm8k_tokenizer_dir, load_tokenizer
 from megatron_ppo.data.trajectory import TrajectoryWriter
 from megatron_ppo.rewards.batch import RewardScorer
 from megatron_ppo.trainer.groups import RoleGroups, build_groups
+from megatron_ppo.trainer.run_record import write_run_record
 from megatron_ppo.trainer.tracking import Tracker
 from megatron_ppo.workers.build import model_arch
 
@@ -31,7 +32,7 @@ class Components:
     total_steps: int
     tokenizer: object
     eos_token_ids: list[int]
-    train_dataset: PromptDataset
+    train_dataset: PromptDataset  # or trainer.offline.OfflineTrajectories (rollout.mode=offline)
     val_dataset: PromptDataset | None
     sampler: StatefulSampler
     scorer: RewardScorer
@@ -75,8 +76,11 @@ def prepare_data(cfg) -> str | None:
     if pre.dataset is not None:
         outputs = [Path(pre.output_dir) / f"{split}.parquet" for split in GSM8K_SPLITS]
         if not all(f.is_file() for f in outputs):
-            counts = preprocess_gsm8k(source, pre.output_dir)
-            log.info("preprocessed GSM8K from %s: %s", source, counts)
+            if pre.dataset == "arithmetic":
+                counts = preprocess_arithmetic(pre.output_dir, seed=cfg.data.seed)
+            else:
+                counts = preprocess_gsm8k(source, pre.output_dir)
+            log.info("preprocessed %s into %s: %s", pre.dataset, pre.output_dir, counts)
     for key in ("train_files", "val_files"):
         for i, entry in enumerate(getattr(cfg.data, key)):
             expand_parquet_paths(entry, what=f"data.{key}[{i}]")  # FileNotFoundError naming the key
@@ -95,13 +99,19 @@ def build_components(cfg, worker_classes: dict | None = None) -> Components:
     built_tokenizer = prepare_data(cfg)
     tokenizer = load_tokenizer(cfg.actor.model.tokenizer_path or built_tokenizer or cfg.actor.model.path)
     policy = overlong_policy_from_verl(cfg.data.filter_overlong_prompts, cfg.data.truncation)
-    train = PromptDataset(cfg.data.train_files, tokenizer, cfg.data.max_prompt_length, policy,
-                          cfg.data.prompt_key, cfg.data.train_max_samples)
+    vocab = len(tokenizer)
+    if cfg.rollout.mode == "offline":  # stored trajectories instead of prompts: no generation (trainer/offline.py)
+        from megatron_ppo.trainer.offline import OfflineTrajectories
+
+        train = OfflineTrajectories(cfg.rollout.trajectory_files, tokenizer, vocab, cfg.data.max_prompt_length,
+                                    cfg.data.max_response_length)
+    else:
+        train = PromptDataset(cfg.data.train_files, tokenizer, cfg.data.max_prompt_length, policy,
+                              cfg.data.prompt_key, cfg.data.train_max_samples)
     val = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length, policy, cfg.data.prompt_key,
                         cfg.data.val_max_samples) if cfg.data.val_files else None
     total_steps = total_training_steps(cfg, len(train))
     sampler = StatefulSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    vocab = len(tokenizer)
     for role in ("actor", "critic", "ref"):
         model_arch(cfg, role, vocab)  # an HF model with a smaller vocabulary fails here, before any rank starts
     kc = cfg.algorithm.kl_ctrl
@@ -116,7 +126,7 @@ def build_components(cfg, worker_classes: dict | None = None) -> Components:
     dumper = None
     if cfg.rollout.dump_dir:
         writer = TrajectoryWriter(cfg.rollout.dump_dir, policy_name=t.experiment_name,
-                                  temperature=cfg.rollout.temperature)
+                                  temperature=cfg.rollout.temperature, tokenizer=tokenizer)
         dumper = lambda step, batch: writer.append(step, trajectory_rows(batch, tokenizer))  # noqa: E731
     eos = tokenizer.eos_token_id
     try:  # last: the groups are what needs closing
@@ -124,6 +134,7 @@ def build_components(cfg, worker_classes: dict | None = None) -> Components:
     except BaseException:
         tracker.close()
         raise
+    write_run_record(tracker.log_dir, cfg, {role: g.layout for role, g in groups.groups.items()})
     return Components(
         total_steps=total_steps, tokenizer=tokenizer, eos_token_ids=[eos] if eos is not None else [],
         train_dataset=train, val_dataset=val, sampler=sampler,

@@ -25,7 +25,6 @@ def _parser() -> argparse.ArgumentParser:
 def unsupported_settings(cfg) -> list[str]:
     """Settings the driver would otherwise ignore silently: each is refused, by name."""
     checks = {
-        "rollout.mode=offline": cfg.rollout.mode != "online",
         "reward.reward_model.enable": cfg.reward.reward_model.enable,
         "trainer.save_freq > 0 (checkpointing)": cfg.trainer.save_freq > 0,
         "trainer.resume_mode=resume_path": cfg.trainer.resume_mode == "resume_path",

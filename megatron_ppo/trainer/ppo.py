@@ -19,6 +19,8 @@ from megatron_ppo.data.batch import RolloutBatch, split_rows
 from megatron_ppo.distributed.dispatch import select_rows
 from megatron_ppo.distributed.dispatch import split_rows as split_by_tokens
 from megatron_ppo import ops
+from megatron_ppo.trainer.offline import OFFLINE_KEY
+from megatron_ppo.trainer.offline import rollout_batch as offline_rollout_batch
 from megatron_ppo.trainer.tracking import timed
 from megatron_ppo.workers.payload import row_lengths, to_payload
 
@@ -68,7 +70,10 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ phases
     def rollout(self, prompts: dict, sampling=None, n: int | None = None) -> RolloutBatch:
-        """The actor generates n responses per prompt; rollout log-probs come back with the tokens."""
+        """The actor generates n responses per prompt; rollout log-probs come back with the tokens. Offline
+        (rollout.mode=offline: the train dataset collates stored trajectories) the stored responses are replayed."""
+        if OFFLINE_KEY in prompts:
+            return offline_rollout_batch(prompts, self.step)
         sampling = sampling or self.cfg.rollout
         n = self.cfg.rollout.n if n is None else n
         rows = [i for i in range(len(prompts["raw_prompt"])) for _ in range(n)]
@@ -84,19 +89,28 @@ class PPOTrainer:
         return RolloutBatch(prompt_ids, out["responses"], mask, {"rollout_log_probs": out["log_probs"] * mask}, meta)
 
     def score(self, batch: RolloutBatch, metrics: dict) -> None:
-        """Sequence reward (rule / custom function + shaping) placed on each response's last token."""
+        """Sequence reward (rule / custom function + shaping) placed on each response's last token. Offline rows
+        with a stored `reward` keep it (reward/stored_fraction says how many); the others are scored."""
         lengths = batch.response_lengths
         ids = [batch.responses[i, : int(lengths[i])].tolist() for i in range(batch.size)]
         texts = self.p.tokenizer.batch_decode(ids, skip_special_tokens=True)
         truths = [rm.get("ground_truth") if rm else None for rm in batch.meta["reward_model"]]
         out = self.p.scorer(texts, batch.meta["data_source"], truths, extra_infos=batch.meta["extra_info"],
                             response_ids=ids, response_lengths=lengths.tolist())
+        values = [float(v) for v in out.scores]
+        stored = batch.meta.get("stored_reward")
+        if stored is not None:
+            values = [v if s is None else float(s) for v, s in zip(values, stored)]
+            kept = np.array(values)
+            metrics.update({"reward/stored_fraction": float(np.mean([s is not None for s in stored])),
+                            "reward/score/mean": float(kept.mean()), "reward/score/min": float(kept.min()),
+                            "reward/score/max": float(kept.max())})
         scores = torch.zeros_like(batch.response_mask)
         last = (lengths - 1).clamp(min=0)
-        scores[torch.arange(batch.size), last] = torch.as_tensor(out.scores, dtype=scores.dtype) * (lengths > 0)
+        scores[torch.arange(batch.size), last] = torch.as_tensor(values, dtype=scores.dtype) * (lengths > 0)
         batch.tensors["token_level_scores"] = scores
-        batch.tensors["sequence_scores"] = torch.as_tensor(out.scores, dtype=torch.float32)
-        metrics.update(out.metrics)
+        batch.tensors["sequence_scores"] = torch.as_tensor(values, dtype=torch.float32)
+        metrics.update({k: v for k, v in out.metrics.items() if stored is None or not k.startswith("reward/score/")})
 
     def evaluate(self, batch: RolloutBatch, metrics: dict) -> None:
         """Old log-probs (actor), reference log-probs, values (critic) of the responses, forward only."""

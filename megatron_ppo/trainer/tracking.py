@@ -1,5 +1,9 @@
 """Metric sinks: console, jsonl, tensorboard, wandb, swanlab — one `log(metrics, step)` call fans out to all.
 
+With the jsonl logger the log dir also gets PNG curves (trainer/plots.py: DIR/curves.png, DIR/curves/*.png),
+redrawn after every record with validation metrics and at close; GPU utilisation and memory (perf/gpu_util,
+perf/gpu_mem_gib, trainer/run_record.GpuMonitor) join every record when NVML sees a GPU.
+
 Metric names follow verl (`actor/pg_loss`, `critic/vf_explained_var`, `timing/<phase>`, ...), so dashboards built
 for verl read ours unchanged.
 """
@@ -9,6 +13,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -90,6 +95,10 @@ class Tracker:
             raise ValueError(f"trainer.logger: unknown logger(s) {unknown}; allowed: {list(KNOWN_LOGGERS)}")
         self.loggers = list(loggers)
         self.log_dir = log_dir
+        from megatron_ppo.trainer.run_record import GpuMonitor
+
+        self.gpu = GpuMonitor()
+        self.curves: list[str] = []  # the PNGs written last
         os.makedirs(log_dir, exist_ok=True)
         self._jsonl = None
         if "jsonl" in loggers:
@@ -116,7 +125,7 @@ class Tracker:
             self._swanlab = swanlab.init(project=project, experiment_name=experiment, config=dict(config or {}))
 
     def log(self, metrics: Mapping, step: int) -> dict[str, float]:
-        scalars = {key: _as_float(value) for key, value in metrics.items()}
+        scalars = {key: _as_float(value) for key, value in {**metrics, **self.gpu.sample()}.items()}
         if "console" in self.loggers:
             shown = " ".join(f"{key}={value:.4g}" for key, value in sorted(scalars.items()))
             print(f"step {step}: {shown}", flush=True)
@@ -131,11 +140,30 @@ class Tracker:
             self._wandb.log(scalars, step=step)
         if self._swanlab is not None:
             self._swanlab.log(scalars, step=step)
+        if any(key.startswith("val/") for key in scalars):
+            self.plot()
         return scalars
+
+    def plot(self) -> list[str]:
+        """Redraw the PNG curves from metrics.jsonl (jsonl logger only). A plotting failure is logged, never
+        raised: the curves are a view of the run, not part of it."""
+        if self._jsonl is None:
+            return []
+        from megatron_ppo.trainer.plots import plot_run
+
+        try:
+            self.curves = [str(p) for p in plot_run(self.log_dir)]
+        except Exception as e:  # noqa: BLE001
+            logging.getLogger(__name__).warning("plotting the curves of %s failed: %s", self.log_dir, e)
+        return self.curves
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
+            if self.plot():
+                print(f"curves: {self.curves[0]} (one PNG per panel in {os.path.join(self.log_dir, 'curves')}); "
+                      f"run record: config.yaml, versions.json, layout.json in {self.log_dir}", flush=True)
+            self._jsonl = None
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

@@ -122,7 +122,6 @@ def test_target_kl_guard_skips_the_update_after_a_large_step(data_dir, tmp_path)
 
 
 @pytest.mark.parametrize("override, name", [
-    ("rollout.mode=offline rollout.trajectory_files=[t.parquet]", "rollout.mode=offline"),
     ("trainer.save_freq=5", "trainer.save_freq > 0 (checkpointing)"),
     ("data.reward_fn_key=src", "data.reward_fn_key (rewards are chosen by data_source)"),
     ("actor.optim.optimizer=sgd", "actor.optim.optimizer=sgd (Adam only)"),

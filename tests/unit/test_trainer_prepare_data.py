@@ -22,6 +22,7 @@ def _raw(folder: Path, n_train: int) -> Path:
 def _cfg(tmp_path: Path, train: str, val: str):
     # no tokenizer build (tokenizer_path is only read after prepare_data): the test is about the data paths
     return load_config("tiny_cpu", [
+        "data.preprocess.dataset=gsm8k",  # tiny_cpu's own is the generated arithmetic task
         f"data.preprocess.input_dir={tmp_path / 'raw'}", f"data.preprocess.output_dir={tmp_path / 'pre'}",
         "data.preprocess.build_tokenizer=false", f"actor.model.tokenizer_path={tmp_path / 'no_tokenizer'}",
         f"data.train_files=[{train}]", f"data.val_files=[{val}]", f"trainer.log_dir={tmp_path / 'logs'}"])

@@ -1,0 +1,193 @@
+"""Offline PPO (rollout.mode=offline): an online run's dumped trajectories replayed by the driver on real
+megatron-core models (CPU, gloo): identity weights when the behaviour policy is the current one, the hand-computed
+truncated IS weights and rollout_corr/* metrics under a known shift, a training step on the dump, and bad
+trajectory files refused naming the row."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from megatron_ppo.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _overrides(data_dir: Path, out: Path, **extra) -> list[str]:
+    base = {
+        "data.preprocess.output_dir": str(data_dir),
+        "data.train_files": f"[{data_dir}/train.parquet]", "data.val_files": f"[{data_dir}/test.parquet]",
+        "data.train_batch_size": 4, "data.val_max_samples": 4, "data.max_response_length": 8,
+        "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size_per_gpu": 4,
+        "critic.ppo_mini_batch_size": 4, "critic.ppo_micro_batch_size_per_gpu": 4,
+        "trainer.total_training_steps": 1, "trainer.test_freq": -1, "trainer.val_before_train": "false",
+        "trainer.logger": "[jsonl]", "trainer.log_dir": str(out / "logs"),
+        "cluster.launcher": "local", "cluster.n_gpus_per_node": 1,
+        "cluster.actor.tensor_model_parallel_size": 1, "cluster.ref.tensor_model_parallel_size": 1,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _offline(data_dir, out, files, **extra):
+    return _overrides(data_dir, out, **{"rollout.mode": "offline", "rollout.trajectory_files": f"[{files}]",
+                                        "data.train_files": "[]", **extra})
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("arith")
+
+
+@pytest.fixture(scope="module")
+def dump(data_dir, tmp_path_factory):
+    """One online step of the CLI with rollout.dump_dir: the behaviour policy is the initial actor."""
+    out = tmp_path_factory.mktemp("online")
+    subprocess.run([sys.executable, "-m", "megatron_ppo.cli", "train",
+                    *_overrides(data_dir, out, **{"rollout.dump_dir": str(out / "dump")})],
+                   check=True, cwd=REPO, stdout=subprocess.DEVNULL, timeout=900)
+    files = sorted((out / "dump").glob("*.parquet"))
+    assert len(files) == 1
+    return files[0]
+
+
+def _phases(cfg, until_advantages=True):
+    """Build the components and run rollout -> score -> evaluate -> advantages on all trajectory rows."""
+    from megatron_ppo import parallel
+    from megatron_ppo.parallel.platform import disable_cpu_platform
+    from megatron_ppo.trainer.components import build_components
+    from megatron_ppo.trainer.ppo import PPOTrainer
+
+    parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
+    try:
+        parts = build_components(cfg)
+        try:
+            trainer = PPOTrainer(cfg, parts)
+            trainer.step = 1
+            metrics: dict = {}
+            batch = trainer.rollout(parts.train_dataset.collate(list(range(len(parts.train_dataset)))))
+            trainer.score(batch, metrics)
+            trainer.evaluate(batch, metrics)
+            trainer.compute_advantages(batch, metrics)
+            return batch, metrics
+        finally:
+            parts.close()
+    finally:
+        parallel.destroy()
+        disable_cpu_platform()
+
+
+@pytest.mark.slow
+def test_offline_replay_weights_and_training(dump, data_dir, tmp_path):
+    from megatron_ppo.data.trajectory import TrajectoryDataset
+
+    rc = {"algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_rs": "token_k1",
+          "algorithm.rollout_correction.rollout_rs_threshold": 2.0}
+    # 1. The behaviour log-probs are the current (initial) policy's: every IS weight 1, nothing rejected; the
+    #    stored rewards are the rewards used.
+    cfg = load_config("tiny_cpu", _offline(data_dir, tmp_path / "a", dump, **rc))
+    batch, m = _phases(cfg)
+    stored = TrajectoryDataset([dump])
+    mask = batch.response_mask.bool()
+    assert batch.size == len(stored) == 4
+    assert m["rollout/logprob_abs_diff_max"] < 1e-4
+    w = batch.tensors["rollout_is_weights"]
+    assert torch.allclose(w[mask], torch.ones_like(w[mask]), atol=1e-4)
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == 0 and torch.equal(batch.loss_mask, batch.response_mask)
+    assert batch.tensors["sequence_scores"].tolist() == pytest.approx([it["reward"] for it in stored.items])
+    assert m["reward/stored_fraction"] == 1.0
+
+    # 2. A known shift: behaviour log-probs = current - d per token (d in {0.1, 0.5, 1.0} by position), so the
+    #    token ratio is exp(d), truncated at 2.0 -> weights exp(0.1), exp(0.5), 2.0.
+    old = batch.tensors["old_log_probs"]
+    shifts = torch.tensor([0.1, 0.5, 1.0])[torch.arange(old.shape[1]) % 3].expand_as(old)
+    table = pq.read_table(dump)
+    shifted = [(old[i, : int(n)] - shifts[i, : int(n)]).tolist() for i, n in enumerate(batch.response_lengths)]
+    table = table.set_column(table.schema.names.index("rollout_log_probs"), "rollout_log_probs",
+                             pa.array(shifted, pa.list_(pa.float32())))
+    pq.write_table(table.drop_columns(["reward"]), tmp_path / "shifted.parquet")
+    cfg = load_config("tiny_cpu", _offline(data_dir, tmp_path / "b", tmp_path / "shifted.parquet", **rc))
+    batch2, m2 = _phases(cfg)
+    expected = torch.exp(shifts).clamp(max=2.0) * mask
+    assert torch.allclose(batch2.tensors["rollout_is_weights"], expected, atol=1e-4)
+    assert m2["rollout_corr/rollout_is_mean"] == pytest.approx(float(expected[mask].mean()), abs=1e-4)
+    # token_k1 with threshold 2: ratios outside [0.5, 2] are rejected -> the d=1.0 tokens (ratio e)
+    assert m2["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(
+        float((shifts[mask] == 1.0).float().mean()), abs=1e-6)
+    assert "reward/stored_fraction" in m2 and m2["reward/stored_fraction"] == 0.0  # no reward column: scored
+
+    # 3. The dump trains offline, unchanged, through the CLI (one step, validation online).
+    out = tmp_path / "c"
+    subprocess.run([sys.executable, "-m", "megatron_ppo.cli", "train",
+                    *_offline(data_dir, out, dump, **rc, **{"trainer.test_freq": 1})],
+                   check=True, cwd=REPO, stdout=subprocess.DEVNULL, timeout=900)
+    import json
+
+    rec = json.loads((out / "logs" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert math.isfinite(rec["actor/pg_loss"]) and "val/test_score/openai/gsm8k" in rec
+    assert rec["timing/gen"] < 1.0  # no generation
+
+
+# ----------------------------------------------------------------------------------------------- refusals
+@pytest.fixture(scope="module")
+def tokenizer(data_dir):
+    from megatron_ppo.data.tokenizer import gsm8k_tokenizer
+
+    return gsm8k_tokenizer(data_dir, vocab_size=300)
+
+
+def _write(tmp_path, name, response_ids, logp, prompt_ids=(1, 2, 3), metadata=None):
+    table = pa.table({"data_source": ["openai/gsm8k"] * 2,
+                      "prompt": [[{"role": "user", "content": "What is 1 + 2?"}]] * 2,
+                      "prompt_ids": pa.array([list(prompt_ids)] * 2, pa.list_(pa.int32())),
+                      "response_ids": pa.array([[5, 6], response_ids], pa.list_(pa.int32())),
+                      "rollout_log_probs": pa.array([[-0.1, -0.2], logp], pa.list_(pa.float32()))})
+    if metadata:
+        table = table.replace_schema_metadata(metadata)
+    path = tmp_path / name
+    pq.write_table(table, path)
+    return path
+
+
+@pytest.mark.parametrize("response_ids, logp, prompt_ids, metadata, message", [
+    ([5, 6], [-0.1, float("nan")], (1, 2, 3), None, "row 1: 'rollout_log_probs'[1] = nan"),
+    ([5, 6], [-0.1, 0.3], (1, 2, 3), None, "row 1: 'rollout_log_probs'[1] = 0.3"),
+    ([5, 6, 7], [-0.1, -0.2], (1, 2, 3), None, "row 1: 'response_ids' has 3 tokens but 'rollout_log_probs' has 2"),
+    ([5, 300], [-0.1, -0.2], (1, 2, 3), None, "row 1: column 'response_ids' holds token id 300, outside the actor's "
+                                              "vocabulary [0, 300)"),
+    ([5, 6], [-0.1, -0.2], (1, 4096), None, "row 0: column 'prompt_ids' holds token id 4096"),
+    ([5, 6], [-0.1, -0.2], (1, 2), {b"megatron_ppo.tokenizer_sha256": b"0123456789abcdef"},
+     "row 0: written with tokenizer 0123456789ab"),
+    ([5, 6] * 5, [-0.1] * 10, (1, 2), None, "row 1: column 'response_ids' has 10 tokens > data.max_response_length=8"),
+])
+def test_bad_trajectory_files_are_refused_naming_the_row(tokenizer, tmp_path, response_ids, logp, prompt_ids,
+                                                         metadata, message):
+    from megatron_ppo.data.trajectory import TrajectoryError
+    from megatron_ppo.trainer.offline import OfflineTrajectories
+
+    path = _write(tmp_path, "bad.parquet", response_ids, logp, prompt_ids, metadata)
+    with pytest.raises(TrajectoryError) as err:
+        OfflineTrajectories([path], tokenizer, len(tokenizer), 64, 8)
+    assert str(path) in str(err.value) and message in str(err.value), str(err.value)
+
+
+def test_good_file_with_the_writers_tokenizer_is_accepted(tokenizer, tmp_path):
+    from megatron_ppo.data.trajectory import TrajectoryWriter
+    from megatron_ppo.trainer.offline import OfflineTrajectories, rollout_batch
+
+    writer = TrajectoryWriter(tmp_path / "dump", policy_name="p", temperature=1.0, tokenizer=tokenizer)
+    path = writer.append(3, {"data_source": ["openai/gsm8k"], "prompt": [[{"role": "user", "content": "hi"}]],
+                             "prompt_ids": [[1, 2]], "response_ids": [[7, 8, 9]],
+                             "rollout_log_probs": [[-0.5, -0.25, -1.0]], "reward": [None]})
+    data = OfflineTrajectories([path], tokenizer, len(tokenizer), 64, 8)
+    batch = rollout_batch(data.collate([0]), step=1)
+    assert batch.responses.tolist() == [[7, 8, 9]] and batch.meta["stored_reward"] == [None]
+    assert batch.tensors["rollout_log_probs"].tolist() == [[-0.5, -0.25, -1.0]]
+    assert data.dataset[0]["source"] == f"{path}: row 0"
