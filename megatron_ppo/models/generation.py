@@ -4,21 +4,34 @@ Why not megatron's inference engines: the dynamic engine needs flash-attn and CU
 (``StaticInferenceEngine(legacy=True)``) runs on CPU but only through a text-generation controller built around
 tokenizers/detokenisation, CUDA events and its own request objects, and is on its way out. What PPO needs is
 narrow — token ids in, token ids and the rollout log-probs of the sampled tokens out, identical on every rank — and
-megatron's model already provides the KV cache (``StaticInferenceContext``). So the loop is ours (~one screen),
-the attention/KV-cache/RoPE code is megatron's, and any layer spec (TE or local SDPA) works.
+megatron's model already provides the KV cache (``StaticInferenceContext``). So the loop is ours, the
+attention/KV-cache/RoPE code is megatron's.
 
-Prompts of different lengths need no padding mask (so TE's fused attention works unchanged): as megatron's
-legacy engine does, the batch prefills up to the shortest prompt, then advances one position per step; a row still
-inside its prompt takes its next prompt token instead of the sample. Every row's tokens therefore sit at positions
-0..n-1, exactly as in a teacher-forced forward of that row alone.
+Two ways to fill the cache with prompts of different lengths (``SamplingParams.prefill``, docs/models.md):
+
+* ``"ragged"`` (default where the core attention takes a mask: our ``SDPACoreAttention``): prompts are left-padded
+  to the longest, the whole batch is prefilled in ONE forward with a causal + key-padding mask, then every row
+  decodes one token per step (``max_response_length`` steps at most). Each row's tokens sit at columns
+  ``pad_i .. pad_i+n-1``; RoPE is relative (q.k depends on the position difference only), so the attention scores
+  equal those of the row alone at positions 0..n-1 up to float rounding (~1e-6 in fp32).
+* ``"aligned"`` (needs no mask, so TE's fused attention works unchanged; the default for any other core
+  attention): as megatron's legacy engine does, the batch prefills up to the shortest prompt, then advances one
+  position per step; a row still inside its prompt takes its next prompt token instead of the sample.
+  ``(longest - shortest prompt) + max_response_length`` steps.
+
+Finished rows (eos or length) leave the decode batch (``drop_finished``): their KV-cache rows are compacted away,
+so the rest of the batch stops paying for them. Results do not depend on it.
 
 Rollout log-probs are ``log_softmax(logits / temperature)`` at the chosen token, over the full (true) vocab, before
-top-k / top-p truncation — the quantity the trainer recomputes teacher-forced with the same temperature.
+top-k / top-p truncation — the quantity the trainer recomputes teacher-forced with the same temperature. It is
+computed as ``scaled[token] - logsumexp(scaled)`` (no [B, V] log-softmax copy). Sampling draws one uniform per row
+and inverts the CDF (no [B, V] exponential draw as ``torch.multinomial`` does); top-k / top-p filters run only when
+enabled.
 
 Parallelism: TP>1 (logits gathered over TP), PP>1 (hidden states passed stage to stage with send/recv; the last
-stage samples), sequence parallelism switched off during generation and restored after. The sampled tokens and
-log-probs are broadcast from the last stage's first TP rank to the whole model-parallel group every step, so all
-ranks return the same result. Deterministic under ``SamplingParams.seed``.
+stage samples), sequence parallelism switched off during generation and restored after. Only the last stage's
+first TP rank samples; its tokens and log-probs are broadcast (one collective per step) to the whole model-parallel
+group, so all ranks return the same result. Deterministic under ``SamplingParams.seed``.
 """
 from __future__ import annotations
 
@@ -27,8 +40,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megatron_ppo.models.unwrap import unwrap_model
+
+PREFILL_MODES = ("auto", "ragged", "aligned")
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,8 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     seed: int = 0
+    prefill: str = "auto"  # "auto" | "ragged" | "aligned" (module docstring)
+    drop_finished: bool = True  # finished rows leave the decode batch (results unchanged)
 
     def __post_init__(self):
         if self.max_response_length < 1:
@@ -51,6 +69,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"SamplingParams.prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
 
 
 @dataclass
@@ -80,16 +100,35 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
-    """(tokens [B], log_probs [B]) from last-position logits [B, V] (true vocab only)."""
-    scaled = logits.float() / params.temperature
-    logp_all = torch.log_softmax(scaled, dim=-1)
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of [B, V] probabilities (zeros never drawn) by inverting the CDF at ``u`` [B] in [0, 1).
+
+    Exact in distribution like ``torch.multinomial(probs, 1)``, which draws B*V exponentials instead of B uniforms.
+    """
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    # right=True: the first index whose cdf exceeds u*total, so a zero-probability entry (flat cdf) is never hit.
+    idx = torch.searchsorted(cdf, u.to(torch.float64).view(-1, 1) * cdf[:, -1:], right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+                u: torch.Tensor | None = None):
+    """(tokens [B], log_probs [B] float32) from last-position logits [B, V] (true vocab only).
+
+    ``u``: the rows' uniforms (else drawn from ``generator``); the log-prob is ``scaled[tok] - logsumexp(scaled)``.
+    """
+    scaled = logits.float()
+    if params.temperature != 1.0:
+        scaled = scaled / params.temperature
+    lse = torch.logsumexp(scaled, dim=-1)
     if params.greedy:
         tokens = torch.argmax(logits, dim=-1)
     else:
-        probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        if u is None:
+            u = torch.rand(scaled.shape[0], generator=generator, dtype=torch.float64, device=scaled.device)
+        filtered = filter_logits(scaled, params.top_k, params.top_p)
+        tokens = sample_from_probs(torch.softmax(filtered, dim=-1), u)
+    return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
 
 
 class _StageRunner:
@@ -109,20 +148,43 @@ class _StageRunner:
         self.dtype = self.core.config.params_dtype
         self.device = next(self.core.parameters()).device
 
-    def __call__(self, ids: torch.Tensor):
-        """ids: [B, s] the tokens of this step. Returns last-position logits [B, V_padded] on the last stage."""
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None = None):
+        """ids: [B, s] the tokens of this step; mask: megatron attention mask (True = masked) or None (causal).
+
+        Returns last-position logits [B, V_padded] on the last stage, else None."""
         b, s = ids.shape
         if not self.first:
             h = torch.empty(s, b, self.hidden, dtype=self.dtype, device=self.device)
             dist.recv(h, src=self.ps.get_pipeline_model_parallel_prev_rank())
             self.core.set_input_tensor(h)
-        out = self.model(ids, None, None, inference_context=self.ctx, runtime_gather_output=True)
+        out = self.model(ids, None, mask, inference_context=self.ctx, runtime_gather_output=True)
         if self.ctx is not None:
             self.ctx.sequence_len_offset += s
         if not self.last:
             dist.send(out.contiguous(), dst=self.ps.get_pipeline_model_parallel_next_rank())
             return None
         return out[:, -1, :]
+
+    def allocate_zeroed_cache(self, max_len: int, batch: int) -> None:
+        """Pre-fill megatron's KV cache with zeros (it allocates ``torch.empty``): columns that a row never writes
+        (its left padding) are masked, but a masked NaN value would still poison SDPA's weighted sum (0 * NaN)."""
+        from megatron.core.transformer.attention import Attention
+
+        mem = self.ctx.key_value_memory_dict
+        for m in self.core.modules():
+            if isinstance(m, Attention) and m.layer_number not in mem:
+                mem[m.layer_number] = tuple(
+                    torch.zeros(max_len, batch, m.num_query_groups_per_partition, dim, dtype=self.dtype,
+                                device=self.device) for dim in (m.key_hidden_size, m.val_hidden_size))
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Drop batch rows from the KV cache: only rows ``keep`` (indices into the current batch) stay."""
+        if self.ctx is None:
+            return
+        mem = self.ctx.key_value_memory_dict
+        for layer, (k, v) in mem.items():
+            mem[layer] = (k.index_select(1, keep), v.index_select(1, keep))
+        self.ctx.max_batch_size = int(keep.numel())
 
 
 @contextlib.contextmanager
@@ -141,27 +203,64 @@ def _no_sequence_parallel(model):
 
 
 def _sampler_rank():
-    """(group, global rank) of the sampling rank: the last stage's TP-rank-0 in this model-parallel group."""
+    """(group, global rank, is_me) of the sampling rank: the last stage's TP-rank-0 in this model-parallel group."""
     from megatron.core import parallel_state as ps
 
+    mine = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
     if not dist.is_initialized():
-        return None, None
+        return None, None, mine
     group = ps.get_model_parallel_group()
     if dist.get_world_size(group) == 1:
-        return None, None
-    mine = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+        return None, None, mine
     from megatron_ppo.parallel.platform import default_device
 
     src = torch.tensor([dist.get_rank() if mine else 0], dtype=torch.long, device=default_device())
     dist.all_reduce(src, group=group)
-    return group, int(src)
+    return group, int(src), mine
 
 
-def _broadcast(tensors, group, src):
-    if group is None:
-        return
-    for t in tensors:
-        dist.broadcast(t, src=src, group=group)
+def resolve_prefill(model, mode: str) -> str:
+    """'ragged' or 'aligned' for this model: ragged needs a core attention that applies arbitrary masks."""
+    from megatron_ppo.models.attention import SDPACoreAttention
+
+    core = unwrap_model(model)
+    kinds = {type(m) for m in core.modules() if type(m).__name__.endswith(("CoreAttention", "DotProductAttention"))}
+    takes_masks = bool(kinds) and kinds <= {SDPACoreAttention}
+    if mode == "auto":
+        return "ragged" if takes_masks else "aligned"
+    if mode == "ragged" and not takes_masks:
+        raise ValueError(f"SamplingParams.prefill='ragged' needs SDPACoreAttention (the local spec); this model's core "
+                         f"attention is {sorted(k.__name__ for k in kinds)}: use prefill='aligned' or 'auto'")
+    return mode
+
+
+class _Sampler:
+    """Samples on the sampling rank and shares (tokens, log-probs) with the model-parallel group in one broadcast.
+
+    Every step draws one uniform per ORIGINAL row and uses those of the rows still decoding, so which rows left the
+    batch never changes another row's sample."""
+
+    def __init__(self, params, vocab, batch, device):
+        self.params, self.vocab, self.batch, self.device = params, vocab, batch, device
+        self.group, self.src, self.mine = _sampler_rank()
+        self.gen = torch.Generator(device=device).manual_seed(int(params.seed))
+
+    def __call__(self, logits, rows):
+        b = rows.numel()
+        if self.mine:
+            u = None
+            if not self.params.greedy:
+                u = torch.rand(self.batch, generator=self.gen, dtype=torch.float64, device=self.device)
+                u = u[rows]  # rows: original indices, in decode-batch order
+            nxt, lp = sample_next(logits[:, :self.vocab], self.params, u=u)
+        if self.group is None:
+            return nxt, lp.float()
+        both = torch.empty(2, b, dtype=torch.float64, device=self.device)
+        if self.mine:
+            both[0] = nxt
+            both[1] = lp
+        dist.broadcast(both, src=self.src, group=self.group)
+        return both[0].long(), both[1].float()
 
 
 @torch.no_grad()
@@ -175,59 +274,172 @@ def generate(model, prompts: list[torch.Tensor], params: SamplingParams, *, use_
             raise ValueError(f"generate: prompt {i} must be a non-empty 1-D token tensor, got shape {tuple(p.shape)}")
     core = unwrap_model(model)
     vocab = core.arch.vocab_size if hasattr(core, "arch") else core.vocab_size
-    device = next(core.parameters()).device
-    b, r = len(prompts), params.max_response_length
-    lengths = torch.tensor([p.numel() for p in prompts], device=device)
-    total = int(lengths.max()) + r
-    tokens = torch.full((b, total), params.pad_token_id, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         if int(p.max()) >= vocab or int(p.min()) < 0:
             raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab})")
-        tokens[i, :p.numel()] = p.to(device)
-    log_probs = torch.zeros(b, r, dtype=torch.float32, device=device)
-    done = torch.zeros(b, dtype=torch.bool, device=device)
-    finished = torch.zeros(b, dtype=torch.bool, device=device)
-    resp_len = torch.zeros(b, dtype=torch.long, device=device)
-    eos = torch.tensor(sorted(set(params.eos_token_ids)), dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(int(params.seed))
-    rows = torch.arange(b, device=device)
-
+    mode = resolve_prefill(model, params.prefill)
     was_training = core.training
     core.eval()
     try:
         with _no_sequence_parallel(model):
-            runner = _StageRunner(model, b, total, use_kv_cache)
-            group, src = _sampler_rank()
-            prev, cur = 0, int(lengths.min())
-            while cur < total:
-                step_ids = tokens[:, prev:cur] if use_kv_cache else tokens[:, :cur]
-                logits = runner(step_ids)
-                nxt = torch.full((b,), params.pad_token_id, dtype=torch.long, device=device)
-                lp = torch.zeros(b, dtype=torch.float32, device=device)
-                if runner.last:
-                    nxt, lp = sample_next(logits[:, :vocab], params, gen)
-                    lp = lp.float()
-                _broadcast([nxt, lp], group, src)
-                in_prompt = cur < lengths
-                pos = cur - lengths  # response position of the token written at `cur`
-                active = ~in_prompt & ~done & (pos < r)
-                nxt = torch.where(in_prompt, tokens[:, cur], torch.where(active, nxt, params.pad_token_id))
-                tokens[:, cur] = nxt
-                idx = pos.clamp(0, r - 1)
-                log_probs[rows, idx] = torch.where(active, lp, log_probs[rows, idx])
-                resp_len = resp_len + active.long()
-                hit_eos = active & torch.isin(nxt, eos) if eos.numel() else torch.zeros_like(active)
-                finished |= hit_eos
-                done |= hit_eos | (active & (pos + 1 >= r))
-                prev, cur = cur, cur + 1
-                if bool(done.all()):
-                    break
+            loop = _generate_ragged if mode == "ragged" else _generate_aligned
+            return loop(model, prompts, params, vocab, use_kv_cache)
     finally:
         core.train(was_training)
 
-    responses = torch.full((b, r), params.pad_token_id, dtype=torch.long, device=device)
-    for i in range(b):
-        n = int(resp_len[i])
-        start = int(lengths[i])
-        responses[i, :n] = tokens[i, start:start + n]
-    return GenerationOutput(responses=responses, response_lengths=resp_len, log_probs=log_probs, finished=finished)
+
+class _Results:
+    """Per-row output buffers, written through original row indices."""
+
+    def __init__(self, b, r, params, device):
+        self.responses = torch.full((b, r), params.pad_token_id, dtype=torch.long, device=device)
+        self.log_probs = torch.zeros(b, r, dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(b, dtype=torch.long, device=device)
+        self.finished = torch.zeros(b, dtype=torch.bool, device=device)
+        self.eos = torch.tensor(sorted(set(params.eos_token_ids)), dtype=torch.long, device=device)
+
+    def is_eos(self, tokens):
+        return torch.isin(tokens, self.eos) if self.eos.numel() else torch.zeros_like(tokens, dtype=torch.bool)
+
+    def output(self):
+        return GenerationOutput(responses=self.responses, response_lengths=self.lengths, log_probs=self.log_probs,
+                                finished=self.finished)
+
+
+def _ragged_prefill_mask(key_pad: torch.Tensor, s: int, q_start: int = 0) -> torch.Tensor:
+    """[B, 1, s - q_start, s] megatron mask (True = masked) for queries at columns q_start..s-1 over keys 0..s-1:
+    causal + padded keys; a pad query sees itself (so no row is empty)."""
+    k = torch.arange(s, device=key_pad.device).unsqueeze(0)
+    q = torch.arange(q_start, s, device=key_pad.device).unsqueeze(1)
+    return ((key_pad[:, None, None, :s] | (k > q)) & (k != q)).contiguous()
+
+
+def prefill_groups(lengths: list[int], forward_cost_tokens: int) -> list[tuple[int, int]]:
+    """Split rows sorted by descending prompt length into contiguous groups, one prefill forward each.
+
+    A group ``[i, j)`` costs ``(j - i) * lengths[i]`` tokens (its rows left-padded to its longest) plus a fixed
+    ``forward_cost_tokens`` per forward; exact minimum by dynamic programming (O(B^2), B = batch rows)."""
+    if any(a < b for a, b in zip(lengths, lengths[1:])):
+        raise ValueError("prefill_groups: lengths must be sorted in descending order")
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            c = best[i] + (j - i) * lengths[i] + forward_cost_tokens
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append((cut[j], j))
+        j = cut[j]
+    return groups[::-1]
+
+
+def _forward_cost_tokens(device) -> int:
+    """Fixed cost of one forward in prompt tokens: measured ~20 on 2 CPU cores (SmolLM2-135M: a 16-row decode step
+    ~ 35 prefill tokens, half of it fixed); on a GPU a forward's launch cost dwarfs a few thousand prompt tokens."""
+    return 32 if torch.device(device).type == "cpu" else 4096
+
+
+def _generate_ragged(model, prompts, params, vocab, use_kv_cache):
+    """Left-padded batch, one prefill forward, then one token per step for every unfinished row."""
+    device = next(unwrap_model(model).parameters()).device
+    b, r = len(prompts), params.max_response_length
+    lengths = torch.tensor([p.numel() for p in prompts], device=device)
+    width = int(lengths.max())
+    total = width + r
+    tokens = torch.zeros(b, total, dtype=torch.long, device=device)  # inputs: 0 under the padding (masked)
+    for i, p in enumerate(prompts):
+        tokens[i, width - p.numel():width] = p.to(device)
+    key_pad = torch.arange(total, device=device).unsqueeze(0) < (width - lengths).unsqueeze(1)  # [B, total]
+    res = _Results(b, r, params, device)
+    runner = _StageRunner(model, b, total, use_kv_cache)
+    sampler = _Sampler(params, vocab, b, device)
+    # original index of each row of the decode batch: longest prompts first, so length groups are contiguous
+    rows = torch.argsort(lengths, descending=True, stable=True)
+    alive = torch.ones(b, dtype=torch.bool, device=device)  # over the decode batch: not finished yet
+
+    with record_function("generate/prefill"):
+        if use_kv_cache:
+            logits = _prefill_by_length(runner, tokens, key_pad, lengths, rows, width)
+        else:
+            logits = runner(tokens[rows, :width], _ragged_prefill_mask(key_pad[rows], width))
+    for step in range(r):
+        cur = width + step  # the column this step's token goes to
+        with record_function("generate/sample"):
+            nxt, lp = sampler(logits, rows)
+        tokens[rows, cur] = torch.where(alive, nxt, 0)
+        rec = rows[alive]
+        res.responses[rec, step] = nxt[alive]
+        res.log_probs[rec, step] = lp[alive]
+        res.lengths[rec] = step + 1
+        hit = alive & res.is_eos(nxt)
+        res.finished[rows[hit]] = True
+        alive &= ~hit
+        if step + 1 == r or not bool(alive.any()):  # the one host sync per step
+            break
+        if params.drop_finished and not bool(alive.all()):
+            with record_function("generate/drop_finished"):
+                keep = alive.nonzero().squeeze(-1)
+                rows, alive = rows[keep], alive[keep]
+                runner.keep_rows(keep)
+        if use_kv_cache:
+            ids, mask = tokens[rows, cur:cur + 1], key_pad[rows][:, None, None, :cur + 1]
+        else:
+            ids, mask = tokens[rows, :cur + 1], _ragged_prefill_mask(key_pad[rows], cur + 1)
+        with record_function("generate/decode_forward"):
+            logits = runner(ids, mask)
+    return res.output()
+
+
+def _prefill_by_length(runner, tokens, key_pad, lengths, rows, width):
+    """Fill the KV cache with every prompt: one forward per group of similar lengths (``prefill_groups``); a group
+    of longest prompt L writes cache rows [i, j) at columns [width - L, width) through the static context's batch /
+    sequence offsets, so no group computes the columns of its rows' padding. Returns the last stage's logits."""
+    ctx = runner.ctx
+    runner.allocate_zeroed_cache(ctx.max_sequence_length, ctx.max_batch_size)
+    sorted_len = lengths[rows].tolist()
+    pieces = []
+    for i, j in prefill_groups(sorted_len, _forward_cost_tokens(tokens.device)):
+        start = width - sorted_len[i]
+        ctx.batch_size_offset, ctx.sequence_len_offset = i, start
+        g = rows[i:j]
+        pieces.append(runner(tokens[g, start:width], _ragged_prefill_mask(key_pad[g], width, start)))
+    ctx.batch_size_offset, ctx.sequence_len_offset = 0, width
+    return torch.cat(pieces) if runner.last else None
+
+
+def _generate_aligned(model, prompts, params, vocab, use_kv_cache):
+    """Prefill to the shortest prompt, then one position per step; rows inside their prompt take the prompt token."""
+    device = next(unwrap_model(model).parameters()).device
+    b, r = len(prompts), params.max_response_length
+    lengths = torch.tensor([p.numel() for p in prompts], device=device)
+    total = int(lengths.max()) + r
+    tokens = torch.zeros(b, total, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, :p.numel()] = p.to(device)
+    res = _Results(b, r, params, device)
+    runner = _StageRunner(model, b, total, use_kv_cache)
+    sampler = _Sampler(params, vocab, b, device)
+    rows = torch.arange(b, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    prev, cur = 0, int(lengths.min())
+    while cur < total:
+        logits = runner(tokens[:, prev:cur] if use_kv_cache else tokens[:, :cur])
+        nxt, lp = sampler(logits, rows)
+        in_prompt = cur < lengths
+        pos = cur - lengths  # response position of the token written at `cur`
+        active = ~in_prompt & ~done & (pos < r)
+        tokens[:, cur] = torch.where(in_prompt, tokens[:, cur], torch.where(active, nxt, 0))
+        idx = pos.clamp(0, r - 1)
+        res.responses[rows, idx] = torch.where(active, nxt, res.responses[rows, idx])
+        res.log_probs[rows, idx] = torch.where(active, lp, res.log_probs[rows, idx])
+        res.lengths += active.long()
+        hit = active & res.is_eos(nxt)
+        res.finished |= hit
+        done |= hit | (active & (pos + 1 >= r))
+        prev, cur = cur, cur + 1
+        if bool(done.all()):
+            break
+    return res.output()

@@ -1,5 +1,6 @@
 """Generation: KV cache == full recompute, rollout log-probs == teacher-forced recomputation, eos / length stops,
-seeded determinism, top-k/top-p against transformers' warpers, greedy identical at TP1 / TP2 / TP2+SP / PP2."""
+seeded determinism, top-k/top-p against transformers' warpers, greedy identical at TP1 / TP2 / TP2+SP / PP2;
+ragged prefill (one forward for all prompts) == the aligned loop; dropping finished rows changes no result."""
 from __future__ import annotations
 
 import pytest
@@ -109,6 +110,106 @@ def test_filter_logits_matches_transformers_warpers(top_k, top_p):
     torch.testing.assert_close(ours[~torch.isinf(ours)], logits[~torch.isinf(ours)])
 
 
+def _forward_batches(model):
+    """Record the [B, s] shape of every forward of ``model`` (a real forward pre-hook)."""
+    shapes = []
+    handle = model.register_forward_pre_hook(lambda mod, args: shapes.append(tuple(args[0].shape)))
+    return shapes, handle
+
+
+def test_ragged_prefill_equals_aligned_loop_in_one_prefill_forward(actor):
+    from megatron_ppo.models.generation import generate
+
+    prompts = _prompts()  # lengths 5, 9, 3, 6
+    eos = int(generate(actor, prompts, SamplingParams(max_response_length=10, greedy=True)).responses[2, 4])
+    for base in (SamplingParams(max_response_length=10, greedy=True),
+                 SamplingParams(max_response_length=10, greedy=True, temperature=0.8, eos_token_ids=(eos,),
+                                pad_token_id=VOCAB - 1)):
+        shapes, handle = _forward_batches(actor)
+        try:
+            ragged = generate(actor, prompts, SamplingParams(**{**base.__dict__, "prefill": "ragged"}))
+            n_ragged = len(shapes)
+            shapes.clear()
+            aligned = generate(actor, prompts, SamplingParams(**{**base.__dict__, "prefill": "aligned"}))
+            n_aligned = len(shapes)
+        finally:
+            handle.remove()
+        assert torch.equal(ragged.responses, aligned.responses)
+        assert torch.equal(ragged.response_lengths, aligned.response_lengths)
+        assert torch.equal(ragged.finished, aligned.finished)
+        torch.testing.assert_close(ragged.log_probs, aligned.log_probs, atol=1e-5, rtol=0)
+        assert _teacher_forced(actor, prompts, ragged, base.temperature) < 1e-5
+        # one prefill of all prompts + one forward per further response token, vs (9 - 3) + 10 for the aligned loop
+        assert n_ragged <= 10 and n_aligned == 9 - 3 + 10, (n_ragged, n_aligned)
+    assert ragged.finished.any() and not ragged.finished.all()  # the eos case really stopped some rows early
+
+
+def test_prefill_groups_minimise_padded_tokens_plus_forwards():
+    from megatron_ppo.models.generation import prefill_groups
+
+    assert prefill_groups([9, 6, 5, 3], 32) == [(0, 4)]  # padding is cheaper than another forward
+    assert prefill_groups([9, 6, 5, 3], 0) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert prefill_groups([100, 98, 20, 19, 18], 32) == [(0, 2), (2, 5)]
+    with pytest.raises(ValueError, match="descending"):
+        prefill_groups([3, 9], 1)
+
+
+def test_grouped_prefill_of_far_apart_lengths_equals_aligned_loop(actor):
+    from megatron_ppo.models.generation import generate
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 90, 7, 88, 50, 5)]
+    shapes, handle = _forward_batches(actor)
+    try:
+        ragged = generate(actor, prompts, SamplingParams(max_response_length=6, greedy=True, prefill="ragged"))
+    finally:
+        handle.remove()
+    prefill = shapes[:-5]  # the last 5 forwards decode response tokens 2..6
+    assert len(prefill) >= 2 and sum(b for b, _ in prefill) == len(prompts), shapes  # >1 group, each row once
+    assert sum(b * s for b, s in prefill) < len(prompts) * 90  # fewer than the left-padded batch's tokens
+    aligned = generate(actor, prompts, SamplingParams(max_response_length=6, greedy=True, prefill="aligned"))
+    assert torch.equal(ragged.responses, aligned.responses)
+    torch.testing.assert_close(ragged.log_probs, aligned.log_probs, atol=1e-5, rtol=0)
+    assert _teacher_forced(actor, prompts, ragged, 1.0) < 1e-5
+
+
+def test_dropping_finished_rows_changes_no_result(actor):
+    from megatron_ppo.models.generation import generate
+
+    prompts = _prompts()
+    probe = generate(actor, prompts, SamplingParams(max_response_length=12, temperature=1.5, seed=7))
+    greedy = generate(actor, prompts, SamplingParams(max_response_length=12, greedy=True))
+    eos = (int(probe.responses[0, 2]), int(probe.responses[3, 5]), int(greedy.responses[1, 4]))
+    stopped = []
+    for base in (SamplingParams(max_response_length=12, temperature=1.5, seed=7, eos_token_ids=eos),
+                 SamplingParams(max_response_length=12, greedy=True, eos_token_ids=eos),
+                 SamplingParams(max_response_length=12, temperature=0.9, top_k=30, top_p=0.8, seed=3,
+                                eos_token_ids=eos)):
+        shapes, handle = _forward_batches(actor)
+        try:
+            dropped = generate(actor, prompts, SamplingParams(**{**base.__dict__, "drop_finished": True}))
+            batches = [s[0] for s in shapes]
+            kept = generate(actor, prompts, SamplingParams(**{**base.__dict__, "drop_finished": False}))
+        finally:
+            handle.remove()
+        for name in ("responses", "response_lengths", "finished"):
+            assert torch.equal(getattr(dropped, name), getattr(kept, name)), name
+        torch.testing.assert_close(dropped.log_probs, kept.log_probs, atol=1e-6, rtol=0)
+        if dropped.finished.any():  # rows that finished early really left the decode batch
+            assert min(batches) < 4 and batches == sorted(batches, reverse=True), batches
+        stopped.append(bool(dropped.finished.any()))
+    assert stopped[0] and stopped[1], stopped  # the seeded and the greedy case both stop rows early
+
+
+def test_prefill_mode_is_checked(actor):
+    from megatron_ppo.models.generation import resolve_prefill
+
+    assert resolve_prefill(actor, "auto") == "ragged"  # the local spec's SDPACoreAttention takes masks
+    assert resolve_prefill(actor, "aligned") == "aligned"
+    with pytest.raises(ValueError, match="prefill"):
+        SamplingParams(max_response_length=2, prefill="left")
+
+
 def _job_greedy_layouts(rank, world, layout):
     from megatron_ppo import parallel
     from megatron_ppo.models.generation import generate
@@ -122,6 +223,10 @@ def _job_greedy_layouts(rank, world, layout):
         model = build_gpt_model(arch, "actor")
         full = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         ref = generate(model, _prompts(), params)
+        ref_aligned = generate(model, _prompts(), SamplingParams(**{**params.__dict__, "prefill": "aligned"}))
+        eos = (int(ref.responses[0, 3]), int(ref.responses[2, 6]))
+        stop = SamplingParams(**{**params.__dict__, "eos_token_ids": eos})
+        ref_stop = generate(model, _prompts(), stop)
     finally:
         parallel.destroy(destroy_process_group=False)
     tp, pp, sp = {"tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False)}[layout]
@@ -130,12 +235,17 @@ def _job_greedy_layouts(rank, world, layout):
         model = build_gpt_model(arch, "actor", sequence_parallel=sp)
         load_full_state_dict(model, full)
         got = generate(model, _prompts(), params)
+        got_aligned = generate(model, _prompts(), SamplingParams(**{**params.__dict__, "prefill": "aligned"}))
+        got_stop = generate(model, _prompts(), stop)
         sampled = generate(model, _prompts(), SamplingParams(max_response_length=8, temperature=1.2, seed=2))
         still_sp = model.config.sequence_parallel
     finally:
         parallel.destroy(destroy_process_group=False)
-    return {"same_tokens": torch.equal(ref.responses, got.responses),
-            "logp": (ref.log_probs - got.log_probs).abs().max().item(),
+    return {"same_tokens": all(torch.equal(ref.responses, x.responses) for x in (ref_aligned, got, got_aligned)),
+            "logp": max((ref.log_probs - x.log_probs).abs().max().item() for x in (ref_aligned, got, got_aligned)),
+            "stop_same": torch.equal(ref_stop.responses, got_stop.responses)
+            and torch.equal(ref_stop.response_lengths, got_stop.response_lengths) and bool(got_stop.finished.any()),
+            "stop_logp": (ref_stop.log_probs - got_stop.log_probs).abs().max().item(),
             "sampled": sampled.responses, "sp_restored": still_sp == sp}
 
 
@@ -145,4 +255,5 @@ def test_greedy_identical_across_layouts(dist_pool2, layout):
     r0, r1 = dist_pool2.run(_job_greedy_layouts, layout)
     for r in (r0, r1):
         assert r["same_tokens"] and r["logp"] < 1e-5 and r["sp_restored"]
+        assert r["stop_same"] and r["stop_logp"] < 1e-5  # rows leaving the batch at an eos, on every stage alike
     assert torch.equal(r0["sampled"], r1["sampled"])  # every rank returns the sampler's tokens
