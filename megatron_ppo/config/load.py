@@ -23,6 +23,10 @@ def resolve_config_path(path_or_name: str | Path) -> Path:
     """A file path, or a bare name like "tiny_cpu" that names configs/<name>.yaml in the repository."""
     path = Path(path_or_name)
     if path.suffix in (".yaml", ".yml") or path.exists() or len(path.parts) > 1:
+        if path.is_dir():
+            yamls = sorted(p.name for p in path.glob("*.y*ml"))
+            raise ConfigError([f"--config {str(path)!r} is a directory, not a YAML file"
+                               + (f"; it holds {', '.join(yamls[:8])}" if yamls else "")])
         if not path.is_file():
             raise ConfigError([f"config file {str(path)!r} does not exist"])
         return path
@@ -50,8 +54,17 @@ def load_config(path_or_name: str | Path = "tiny_cpu", overrides: list[str] = ()
     except ConfigError:  # a duplicate key, already naming the file and both lines
         raise
     except Exception as exc:  # yaml.YAMLError or a decode error: name the file
-        raise ConfigError([f"cannot parse YAML: {exc}"], str(path)) from exc
+        raise ConfigError([f"cannot parse YAML: {_yaml_problem(exc)}"], str(path)) from exc
     return config_from_dict(data, overrides, source)
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """PyYAML's multi-line message -> 'line L, column C: problem (context)'."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or not problem:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    context = getattr(exc, "context", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
 
 
 def to_yaml(cfg: PPOConfig) -> str:

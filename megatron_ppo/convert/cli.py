@@ -6,7 +6,7 @@ arguments, prints the one-line result or the error, and maps it to an exit code.
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 
 from megatron_ppo.convert.mapping import ConversionError
@@ -43,9 +43,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_inputs(args) -> str | None:
+    """The input directories named by their flags, before torch or Megatron load (a missing --mcore used to be
+    reported as a missing HF config inside it)."""
+    for flag in ("hf", "mcore"):
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        what = "an HF model directory" if flag == "hf" else "a Megatron dist checkpoint directory"
+        if not os.path.exists(value):
+            return f"--{flag} {value}: no such directory ({what})"
+        if not os.path.isdir(value):
+            return f"--{flag} {value}: is a file, not {what}"
+    hf_config = getattr(args, "hf_config", None)
+    if hf_config is not None and not os.path.isfile(os.path.join(hf_config, "config.json")):
+        return f"--hf-config {hf_config}: no config.json there (an HF model directory)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from megatron_ppo import console
+
+    console.setup_logging()
+    problem = check_inputs(args)
+    if problem:
+        print(f"megatron-ppo convert {args.direction}: error: {problem}", file=sys.stderr)
+        return 2
+    out = getattr(args, "out", None)
     try:
         if args.direction == "verify":
             diff = verify(args.hf, args.mcore, tokens=args.tokens)
@@ -61,7 +86,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConversionError as e:
         print(f"megatron-ppo convert {args.direction}: error: {e}", file=sys.stderr)
         return 1
+    except console.Interrupted as e:  # the temp dir is gone (atomic_output_dir); stop children before exiting
+        console.kill_children(timeout=3.0)
+        state = f"nothing was written to {out}" if out and not _complete(out) else f"{out} is as it was"
+        print(f"megatron-ppo convert {args.direction}: interrupted by {e}; {state} (temp dir removed)",
+              file=sys.stderr, flush=True)
+        return e.exit_code
+    if console.received() is not None:  # the signal's exception was swallowed (e.g. in a fork handler)
+        sig = console.Interrupted(console.received())
+        print(f"megatron-ppo convert {args.direction}: interrupted by {sig}, but the conversion had already "
+              f"finished{f': {out} is complete' if out else ''}", file=sys.stderr, flush=True)
+        return sig.exit_code
     return 0
+
+
+def _complete(out: str) -> bool:
+    return os.path.isdir(out) and bool(os.listdir(out))
 
 
 if __name__ == "__main__":

@@ -94,7 +94,9 @@ class PromptDataset:
                 table, budget = table.slice(0, budget), budget - min(budget, table.num_rows)
             self._add_file(path, table)
         if not self.rows:
-            raise ValueError(f"data_files {data_files}: no rows left (stats: {self.stats})")
+            raise ValueError(f"data files {data_files}: no rows left ({self.stats['rows_read']} read, "
+                             f"{self.stats['filtered_overlong']} longer than data.max_prompt_length="
+                             f"{max_prompt_length} filtered by data.filter_overlong_prompts)")
         self.lengths = np.array([len(ids) for ids in self.input_ids], dtype=np.int64)
 
     def _add_file(self, path: Path, table: pa.Table) -> None:
@@ -112,8 +114,8 @@ class PromptDataset:
                 if self.policy == "error":
                     raise PromptTooLongError(
                         f"{path}: row {r}: prompt has {len(tokens)} tokens > max_prompt_length="
-                        f"{self.max_prompt_length} (set overlong_prompt_policy to filter, truncate_left or "
-                        "truncate_right to allow this)"
+                        f"{self.max_prompt_length} (data.max_prompt_length): raise it, or set "
+                        "data.filter_overlong_prompts=true (drop such prompts) or data.truncation=left|right"
                     )
                 if self.policy == "filter":
                     n_filtered += 1

@@ -23,7 +23,9 @@ class StatefulSampler:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if drop_last and batch_size > num_rows:
-            raise ValueError(f"batch_size={batch_size} > num_rows={num_rows} with drop_last=True: no batch fits")
+            raise ValueError(f"data.train_batch_size={batch_size} > the {num_rows} prompts of data.train_files left "
+                             "after data.train_max_samples and prompt-length filtering: no batch fits; lower "
+                             "data.train_batch_size, raise data.max_prompt_length or add data")
         self.num_rows, self.batch_size = num_rows, batch_size
         self.seed, self.shuffle, self.drop_last = int(seed), shuffle, drop_last
         self.epoch, self.position = 0, 0

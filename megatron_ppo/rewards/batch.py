@@ -44,6 +44,18 @@ def _as_score(value, row: int, data_source: str) -> float:
     return value
 
 
+def describe_fn(fn) -> str:
+    """'path/to/file.py:name' of a reward function (what a user looks for when it raises)."""
+    import inspect
+
+    try:
+        where = inspect.getsourcefile(fn) or "?"
+        line = inspect.getsourcelines(fn)[1]
+    except (TypeError, OSError):
+        return getattr(fn, "__qualname__", repr(fn))
+    return f"{getattr(fn, '__qualname__', fn)} ({where}:{line})"
+
+
 def compute_rewards(
     responses: Sequence[str],
     data_sources: Sequence[str],
@@ -77,10 +89,15 @@ def compute_rewards(
         if truth is None:
             raise RewardError(f"row {i} ({source}): reward_model.ground_truth is missing")
         extra = extra_infos[i] if extra_infos is not None else None
-        if reward_fn is not None:
-            value = reward_fn(source, text, truth, extra)
-        else:
-            value = get_reward_fn(source)(text, truth, extra_info=extra, **reward_kwargs.get(source, {}))
+        fn = reward_fn if reward_fn is not None else get_reward_fn(source)
+        try:
+            if reward_fn is not None:
+                value = reward_fn(source, text, truth, extra)
+            else:
+                value = fn(text, truth, extra_info=extra, **reward_kwargs.get(source, {}))
+        except Exception as exc:  # the user's function failed: say which function, on which row and data_source
+            raise RewardError(f"row {i} (data_source {source!r}): reward function {describe_fn(fn)} raised "
+                              f"{type(exc).__name__}: {exc}") from exc
         task[i] = _as_score(value, i, source)
     terms = {"task": task}
     if length_penalty is not None:

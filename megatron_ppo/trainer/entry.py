@@ -18,6 +18,8 @@ from megatron_ppo.config import load_config
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-ppo train", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="tiny_cpu", help="config name in configs/ or a YAML path (default: tiny_cpu)")
+    p.add_argument("--dry-run", action="store_true", help="check config, data, rewards, outputs and models (seconds, "
+                   "nothing built) and print the resolved plan")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.clip_ratio=0.3 trainer.total_training_steps=8")
     return p
 
@@ -63,12 +65,16 @@ def check_device(cfg, cuda_available: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from megatron_ppo import console
+    from megatron_ppo.trainer.preflight import describe_plan, run_preflight
+
+    console.setup_logging()
     cfg = load_config(args.config, args.overrides)
     refused = unsupported_settings(cfg)
     if refused:
         raise SystemExit(f"megatron-ppo train: the driver does not support {refused} yet (offline rollouts, "
                          "reward models, checkpoints and resume are later roadmap items). Nothing was run.")
+    checked = run_preflight(cfg)  # inputs, outputs, loggers, models: in seconds, before torch/Megatron/Ray
     import torch
 
     check_device(cfg, torch.cuda.is_available())
@@ -80,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             plan(cfg)
         except LayoutError as exc:
             raise SystemExit(f"megatron-ppo train: {exc}. Nothing was run.") from None
+    if args.dry_run:
+        print(describe_plan(cfg, checked))
+        return 0
     from megatron_ppo.config import to_yaml
     from megatron_ppo.trainer.tracking import LogDirInUseError, claim_log_dir
 
@@ -87,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         claim_log_dir(cfg.trainer, to_yaml(cfg))
     except LogDirInUseError as exc:
         raise SystemExit(f"megatron-ppo train: {exc}. Nothing was run.") from None
+    console.set_run_log(f"{cfg.trainer.expand(cfg.trainer.log_dir)}/train.log")
     log = logging.getLogger(__name__)
     log.warning("checkpointing is not in the driver yet: this run saves none")
 
@@ -109,6 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     last = history[-1] if history else {}
     score = last.get("reward/score/mean", math.nan)
     logs = cfg.trainer.expand(cfg.trainer.log_dir)
-    print(f"megatron-ppo train: {len(history)} steps done; last reward/score/mean={score:.4f}; metrics in "
-          f"{logs}/metrics.jsonl")
+    print(f"megatron-ppo train: {len(history)} steps done; last reward/score/mean={score:.4f}")
+    print(console.written_paths(cfg, logs))
     return 0

@@ -1,0 +1,286 @@
+"""Preflight: every input of a training run checked in seconds, before torch, Megatron or Ray start.
+
+A wrong file, column, reward function, output directory, logger or model path is reported as one `PreflightError`
+naming the config key, the file and the fix, instead of a traceback after a minute of model building. Checks:
+  data       data.train_files / data.val_files: exist, are parquet, have data_source, the prompt column and
+             reward_model.ground_truth (no nulls), and at least one data.train_batch_size batch
+  rewards    a reward function for every data_source present (or reward.custom_reward_function: importable, with
+             verl's signature fn(data_source, solution_str, ground_truth, extra_info))
+  outputs    trainer.log_dir, rollout.dump_dir, data.preprocess.output_dir writable
+  loggers    tensorboard / wandb / swanlab installed; wandb logged in (or WANDB_MODE=offline|disabled)
+  models     <role>.model.path: an HF directory with a config.json of a supported architecture
+The device (cluster.device) and the layout arithmetic are checked by trainer/entry.py right after this.
+`megatron-ppo train --dry-run` stops after these checks and prints `describe_plan`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")  # as convert/mapping.py (not imported: it loads torch)
+
+
+class PreflightError(ValueError):
+    """An input of the run is wrong; the message names the key, the file and what to do (exit code 2)."""
+
+
+@dataclass
+class DataSummary:
+    key: str
+    files: list[str]
+    rows: int  # after data.<split>_max_samples, before prompt-length filtering (tokenising is for the run)
+    data_sources: set = field(default_factory=set)
+
+
+def _first_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_writable(key: str, directory: str) -> None:
+    """`directory` exists and takes a file, or can be created: tried for real (root ignores permission bits)."""
+    path = Path(directory)
+    base = _first_existing(path)
+    if not base.is_dir():
+        raise PreflightError(f"{key}={directory}: {base} is a file, not a directory; choose another {key}")
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as exc:
+        raise PreflightError(f"{key}={directory}: cannot write in {base} ({exc.strerror}); choose a writable "
+                             f"{key}") from None
+
+
+def _parquet_files(key: str, entries: list[str]) -> list[Path]:
+    from megatron_ppo.data.parquet_io import expand_parquet_paths
+
+    out = []
+    for i, entry in enumerate(entries):
+        try:
+            out += expand_parquet_paths(entry, what=f"{key}[{i}]")
+        except FileNotFoundError as exc:
+            raise PreflightError(f"{exc}; fix {key} (a parquet file or a directory of them)") from None
+    return out
+
+
+def check_data_files(cfg, key: str, max_samples: int, prompts: bool = True) -> DataSummary:
+    """Schema, ground truth and row count of every file under `key` (prompts=True: prompt parquet scored online;
+    False: only that each is a parquet file), read column by column (fast)."""
+    section, name = key.split(".")
+    files = _parquet_files(key, list(getattr(getattr(cfg, section), name)))
+    prompt_key = cfg.data.prompt_key
+    summary = DataSummary(key, [str(f) for f in files], 0)
+    budget = max_samples if max_samples > 0 else None
+    for path in files:
+        try:
+            schema = pq.read_schema(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise PreflightError(f"{key}: {path} is not a parquet file ({str(exc).splitlines()[0]})") from None
+        if not prompts:
+            continue
+        need = {"data_source": "the reward function is chosen by it",
+                prompt_key: "the chat messages (data.prompt_key)",
+                "reward_model": "reward_model.ground_truth is what responses are scored against"}
+        missing = [f"{c!r} ({why})" for c, why in need.items() if c not in schema.names]
+        if missing:
+            raise PreflightError(f"{key}: {path} has no column {', '.join(missing)}; columns present: "
+                                 f"{schema.names} (megatron-ppo preprocess writes verl's schema)")
+        table = pq.ParquetFile(path).read(columns=["data_source", "reward_model"])  # (read_table loads pandas)
+        if budget is not None:
+            table = table.slice(0, budget)
+            budget -= table.num_rows
+        if table.num_rows == 0 and budget != 0:
+            raise PreflightError(f"{key}: {path} has no rows")
+        rm = table.column("reward_model")
+        if not pa.types.is_struct(rm.type) or rm.type.get_field_index("ground_truth") < 0:
+            raise PreflightError(f"{key}: {path}: column 'reward_model' is {rm.type}, not a struct with "
+                                 "'ground_truth'")
+        rows = [r for r, v in enumerate(rm.to_pylist()) if v is None or v.get("ground_truth") is None]
+        if rows:
+            raise PreflightError(f"{key}: {path}: reward_model.ground_truth is null in {len(rows)} row(s), first "
+                                 f"row {rows[0]}; every row needs one to be scored")
+        summary.rows += table.num_rows
+        summary.data_sources |= set(table.column("data_source").to_pylist())
+        if budget == 0:
+            break
+    return summary
+
+
+def check_rewards(cfg, data_sources: set) -> None:
+    custom = cfg.reward.custom_reward_function
+    if custom.path:
+        from megatron_ppo.rewards.registry import load_custom_reward_fn
+
+        try:
+            fn = load_custom_reward_fn(custom.path, custom.name)
+        except FileNotFoundError:
+            raise PreflightError(f"reward.custom_reward_function.path={custom.path}: no such file") from None
+        except AttributeError as exc:
+            raise PreflightError(str(exc).replace("custom_reward_function.name", "reward.custom_reward_function.name")
+                                 ) from None
+        except Exception as exc:  # noqa: BLE001 - the user's file failed to import: say which and why
+            raise PreflightError(f"reward.custom_reward_function.path={custom.path}: importing it failed: "
+                                 f"{type(exc).__name__}: {exc}") from None
+        try:
+            inspect.signature(fn).bind("src", "solution", "truth", None)
+        except TypeError:
+            raise PreflightError(f"reward.custom_reward_function: {custom.path}:{custom.name}{inspect.signature(fn)}"
+                                 " cannot be called as fn(data_source, solution_str, ground_truth, extra_info)"
+                                 ) from None
+        except ValueError:  # no signature (a builtin): trust it
+            pass
+        return
+    from megatron_ppo.rewards.registry import registered_data_sources
+
+    known = set(registered_data_sources())
+    unknown = sorted(str(s) for s in data_sources - known)
+    if unknown:
+        raise PreflightError(f"no reward function for data_source {unknown} (in data.train_files/val_files); "
+                             f"registered: {sorted(known)}. Set reward.custom_reward_function.path, or register "
+                             "one with @megatron_ppo.rewards.register_reward")
+
+
+def _wandb_logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
+
+
+def check_loggers(cfg) -> None:
+    packages = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
+    for name in cfg.trainer.logger:
+        pkg = packages.get(name)
+        if pkg and importlib.util.find_spec(pkg) is None:
+            raise PreflightError(f"trainer.logger includes {name!r}, but the {pkg} package is not installed "
+                                 f"(pip install {pkg}, or drop {name!r} from trainer.logger)")
+    if "wandb" in cfg.trainer.logger and not _wandb_logged_in():
+        raise PreflightError("trainer.logger includes 'wandb', but wandb is not logged in (no WANDB_API_KEY, no "
+                             "api.wandb.ai in ~/.netrc): run `wandb login`, set WANDB_MODE=offline, or drop 'wandb' "
+                             "from trainer.logger")
+
+
+def check_model_paths(cfg) -> None:
+    roles = ["actor"] + (["critic"] if cfg.use_critic else []) + (["ref"] if cfg.use_reference else [])
+    for role in roles:
+        model = cfg.model_for(role)
+        for attr in ("path", "tokenizer_path"):
+            value = getattr(model, attr, None)
+            key = f"{role}.model.{attr}"
+            if value is None:
+                continue
+            p = Path(value)
+            if not p.exists():
+                raise PreflightError(f"{key}={value}: no such directory (an HF model directory with config.json)")
+            if not p.is_dir():
+                raise PreflightError(f"{key}={value}: is a file; expected an HF directory")
+            if attr == "tokenizer_path":
+                continue
+            config = p / "config.json"
+            if not config.is_file():
+                raise PreflightError(f"{key}={value}: no config.json in it (is it an HF model directory? a Megatron "
+                                     "checkpoint is converted with `megatron-ppo convert mcore-to-hf`)")
+            try:
+                model_type = json.loads(config.read_text()).get("model_type")
+            except (OSError, ValueError) as exc:
+                raise PreflightError(f"{key}={value}: config.json is not readable JSON ({exc})") from None
+            if model_type not in SUPPORTED_MODEL_TYPES:
+                raise PreflightError(f"{key}={value}: model_type {model_type!r} is not supported (supported: "
+                                     f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+
+
+def _preprocess_outputs(cfg) -> set[Path]:
+    """Files preprocessing will write on first use (they may not exist yet: checked after it ran)."""
+    pre = cfg.data.preprocess
+    if pre.dataset is None or not pre.output_dir:
+        return set()
+    from megatron_ppo.data.gsm8k import SPLITS
+
+    return {(Path(pre.output_dir) / f"{s}.parquet").absolute() for s in SPLITS}
+
+
+def run_preflight(cfg) -> dict:
+    """All checks; raises PreflightError at the first problem. Returns what describe_plan prints."""
+    t = cfg.trainer
+    check_writable("trainer.log_dir", t.expand(t.log_dir))
+    if cfg.rollout.dump_dir:
+        check_writable("rollout.dump_dir", cfg.rollout.dump_dir)
+    check_loggers(cfg)
+    check_model_paths(cfg)
+    pending = _preprocess_outputs(cfg)
+    if pending and not all(p.is_file() for p in pending):
+        check_writable("data.preprocess.output_dir", cfg.data.preprocess.output_dir)
+        from megatron_ppo.data.gsm8k import default_gsm8k_dir
+
+        source = Path(cfg.data.preprocess.input_dir) if cfg.data.preprocess.input_dir else default_gsm8k_dir()
+        for split in ("train", "test"):
+            if not (source / f"{split}.jsonl").is_file():
+                raise PreflightError(f"data.preprocess.input_dir: {source / f'{split}.jsonl'} not found (GSM8K "
+                                     "jsonl; set data.preprocess.input_dir or $MEGATRON_PPO_GSM8K_DIR)")
+    summaries = {}
+    if cfg.rollout.mode != "online":  # offline PPO replays trajectory files; prompt files are only listed
+        if cfg.rollout.trajectory_files:
+            check_data_files(cfg, "rollout.trajectory_files", -1, prompts=False)
+        for key in ("train_files", "val_files"):
+            if getattr(cfg.data, key):
+                check_data_files(cfg, f"data.{key}", -1, prompts=False)
+        return {"data": summaries}
+    for key, max_samples in (("train_files", cfg.data.train_max_samples), ("val_files", cfg.data.val_max_samples)):
+        entries = getattr(cfg.data, key)
+        if not entries:
+            continue
+        if pending and all(Path(e).absolute() in pending and not Path(e).exists() for e in entries):
+            continue  # written by preprocessing at the start of the run
+        summaries[key] = check_data_files(cfg, f"data.{key}", max_samples)
+    train = summaries.get("train_files")
+    if train is not None and train.rows < cfg.data.train_batch_size:
+        capped = (f" (data.train_max_samples={cfg.data.train_max_samples})" if cfg.data.train_max_samples > 0 else "")
+        raise PreflightError(f"data.train_batch_size={cfg.data.train_batch_size} > the {train.rows} rows of "
+                             f"data.train_files {train.files}{capped}: no batch fits; lower data.train_batch_size "
+                             "or add data")
+    check_rewards(cfg, set().union(*(s.data_sources for s in summaries.values())) if summaries else set())
+    return {"data": summaries}
+
+
+def describe_plan(cfg, checked: dict) -> str:
+    """The resolved plan `--dry-run` prints: layout, batch arithmetic, steps."""
+    d, t = cfg.data, cfg.trainer
+    lines = ["preflight: ok (config, data, rewards, output dirs, loggers, model paths)"]
+    c = cfg.cluster
+    lines.append(f"cluster: launcher={c.launcher} device={c.device} nnodes={c.nnodes} "
+                 f"n_gpus_per_node={c.n_gpus_per_node}")
+    for role in ["actor"] + (["critic"] if cfg.use_critic else []) + (["ref"] if cfg.use_reference else []):
+        p = getattr(c, role)
+        model = cfg.model_for(role)
+        source = model.path or ("inline arch" if model.arch is not None else "actor's architecture")
+        lines.append(f"  {role:<6} TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+                     f"DP={p.data_parallel_size if p.data_parallel_size is not None else 'fill'}  model: {source}")
+    train = checked["data"].get("train_files")
+    rows = train.rows if train else None
+    n = cfg.rollout.n
+    lines.append(f"data: {rows if rows is not None else '?'} train rows (before prompt-length filtering)"
+                 + (f" from {', '.join(train.files)}" if train else " (written by preprocessing at start)"))
+    per_epoch = rows // d.train_batch_size if rows else None
+    steps = t.total_training_steps or ((max(per_epoch, 1) * t.total_epochs) if per_epoch else None)
+    lines.append(f"batch: {d.train_batch_size} prompts x rollout.n={n} = {d.train_batch_size * n} responses per step; "
+                 f"actor mini-batch {cfg.actor.ppo_mini_batch_size}, micro-batch "
+                 f"{cfg.actor.ppo_micro_batch_size_per_gpu}/GPU, ppo_epochs={cfg.actor.ppo_epochs}")
+    lines.append(f"steps: {steps if steps is not None else '?'}"
+                 + (" (trainer.total_training_steps)" if t.total_training_steps else
+                    f" ({per_epoch} per epoch x trainer.total_epochs={t.total_epochs})" if per_epoch else ""))
+    lines.append(f"outputs: metrics/logs in {t.expand(t.log_dir)}"
+                 + (f"; rollouts in {cfg.rollout.dump_dir}" if cfg.rollout.dump_dir else ""))
+    return "\n".join(lines)
