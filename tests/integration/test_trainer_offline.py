@@ -191,3 +191,25 @@ def test_good_file_with_the_writers_tokenizer_is_accepted(tokenizer, tmp_path):
     assert batch.responses.tolist() == [[7, 8, 9]] and batch.meta["stored_reward"] == [None]
     assert batch.tensors["rollout_log_probs"].tolist() == [[-0.5, -0.25, -1.0]]
     assert data.dataset[0]["source"] == f"{path}: row 0"
+
+
+@pytest.mark.slow
+def test_offline_at_the_default_ray_layout(dump, data_dir, tmp_path):
+    """The dump trains offline at tiny_cpu's own layout (Ray: actor/ref TP2, critic DP2): two steps, IS weights
+    applied, validation online."""
+    import json
+
+    out = tmp_path / "ray"
+    subprocess.run([sys.executable, "-m", "megatron_ppo.cli", "train", "--config", "configs/tiny_cpu.yaml",
+                    "rollout.mode=offline", f"rollout.trajectory_files=[{dump}]", "data.train_files=[]",
+                    "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2",
+                    "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size_per_gpu=1",
+                    "algorithm.rollout_correction.rollout_is=token", "trainer.total_training_steps=2",
+                    "trainer.test_freq=2", "trainer.val_before_train=false", "data.val_max_samples=4",
+                    f"data.preprocess.output_dir={data_dir}", f"data.val_files=[{data_dir}/test.parquet]",
+                    f"trainer.log_dir={out}"], check=True, cwd=REPO, stdout=subprocess.DEVNULL, timeout=900)
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all(math.isfinite(r["actor/pg_loss"]) and "rollout_corr/rollout_is_mean" in r for r in recs)
+    assert "val/test_score/openai/gsm8k" in recs[-1]
+    assert json.loads((out / "layout.json").read_text())["roles"]["actor"]["tp"] == 2
