@@ -11,6 +11,7 @@ Imports nothing heavy: it runs before torch or Megatron are loaded.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import signal
@@ -224,3 +225,30 @@ def written_paths(cfg, log_dir: str) -> str:
     lines = ["wrote:"] + [f"  {what:<12}{path}" for what, path in items if os.path.exists(path)]
     lines += [f"  {'':<12}{os.path.join(log_dir, n)}" for n in extra]
     return "\n".join(lines)
+
+
+# the per-step console line: the few metrics a user watches; every metric still goes to metrics.jsonl
+STEP_SUMMARY = (("reward", ("reward/score/mean",)), ("kl", ("actor/ppo_kl", "actor/kl_loss")),
+                ("pg_loss", ("actor/pg_loss",)), ("vf_loss", ("critic/vf_loss",)),
+                ("resp_len", ("response_length/mean",)))
+_step_clock: dict = {}
+
+
+def step_line(step: int, scalars: dict, total_steps: int | None = None) -> str:
+    """'step 3/8  reward 0.125  kl 0.0012  ...  2.1 s/step  ETA 0:00:10' (ETA from the mean step time so far)."""
+    now = time.monotonic()
+    first = _step_clock.setdefault("first", (step, now))
+    parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
+    for label, keys in STEP_SUMMARY:
+        value = next((scalars[k] for k in keys if k in scalars), None)
+        if value is not None:
+            parts.append(f"{label} {value:.4g}")
+    step_time = scalars.get("timing/step")
+    if step_time is not None:
+        parts.append(f"{step_time:.2f} s/step")
+    if total_steps and step < total_steps:
+        done = step - first[0]
+        per_step = (now - first[1]) / done if done > 0 else step_time
+        if per_step:
+            parts.append(f"ETA {datetime.timedelta(seconds=round(per_step * (total_steps - step)))}")
+    return "  ".join(parts)

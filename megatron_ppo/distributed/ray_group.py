@@ -61,6 +61,9 @@ class RankActor:
               timeout_minutes: float, threads: int, worker_cls, worker_kwargs: dict) -> dict:
         import torch
 
+        from megatron_ppo import console
+
+        console.quiet()  # Megatron's config dumps and bucket lists, TE/Apex warnings: off unless --verbose
         tp, pp, dp = layout
         torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS=1 for fractional/1-CPU actors: decide here
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(tp * pp * dp),

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = None
     try:
         parts = build_components(cfg)
+        parts.tracker.total_steps = parts.total_steps  # the console line's "step i/N" and ETA
         history = PPOTrainer(cfg, parts).fit(parts.total_steps)
     except NonFiniteTrainingError as exc:
         raise SystemExit(f"megatron-ppo train: stopped: {exc}") from None

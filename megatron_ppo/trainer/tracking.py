@@ -127,8 +127,12 @@ class Tracker:
     def log(self, metrics: Mapping, step: int) -> dict[str, float]:
         scalars = {key: _as_float(value) for key, value in {**metrics, **self.gpu.sample()}.items()}
         if "console" in self.loggers:
-            shown = " ".join(f"{key}={value:.4g}" for key, value in sorted(scalars.items()))
-            print(f"step {step}: {shown}", flush=True)
+            from megatron_ppo import console  # the key metrics and ETA; every metric with --verbose
+
+            if console.verbose_enabled():
+                print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in sorted(scalars.items())), flush=True)
+            else:
+                print(console.step_line(step, scalars, getattr(self, "total_steps", None)), flush=True)
         if self._jsonl is not None:
             record = {key: (value if math.isfinite(value) else str(value)) for key, value in scalars.items()}
             self._jsonl.write(json.dumps({"step": step, **record}) + "\n")

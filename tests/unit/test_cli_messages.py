@@ -1,0 +1,55 @@
+"""Messages name config keys, files and rows, not internals (issue 15)."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_ppo.data.sampler import StatefulSampler
+from megatron_ppo.rewards.batch import RewardError, RewardScorer, compute_rewards
+from megatron_ppo.rewards.registry import load_custom_reward_fn
+
+
+def test_sampler_batch_larger_than_rows_names_the_keys():
+    with pytest.raises(ValueError) as info:
+        StatefulSampler(4, 8)
+    assert "data.train_batch_size=8" in str(info.value) and "data.train_files" in str(info.value)
+    assert "drop_last" not in str(info.value)
+
+
+def test_raising_custom_reward_names_file_row_and_data_source(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return 1 / (len(solution_str) - 3)\n")
+    fn = load_custom_reward_fn(path, "compute_score")
+    with pytest.raises(RewardError) as info:
+        compute_rewards(["a", "abc"], ["src/a", "src/b"], ["1", "2"], reward_fn=fn)
+    text = str(info.value)
+    assert "row 1" in text and "'src/b'" in text and str(path) in text and "ZeroDivisionError" in text, text
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_raising_registered_reward_names_the_function(tmp_path):
+    from megatron_ppo.rewards.registry import _REGISTRY, register_reward
+
+    def broken(solution_str, ground_truth, extra_info=None, **kwargs):
+        raise KeyError("answer")
+
+    register_reward("test/broken")(broken)
+    try:
+        with pytest.raises(RewardError, match=r"row 0 \(data_source 'test/broken'\): reward function .*broken .*"
+                                              r"test_cli_messages.py:\d+\) raised KeyError"):
+            RewardScorer()(["x"], ["test/broken"], ["1"])
+    finally:
+        _REGISTRY.pop("test/broken", None)
+
+
+def test_step_line_is_short_with_progress_and_eta():
+    from megatron_ppo import console
+
+    console._step_clock.clear()
+    metrics = {f"actor/m{i}": float(i) for i in range(40)}
+    metrics.update({"reward/score/mean": 0.25, "actor/ppo_kl": 0.0012, "timing/step": 2.0})
+    first = console.step_line(1, metrics, total_steps=4)
+    assert first.startswith("step 1/4") and "reward 0.25" in first and "kl 0.0012" in first
+    assert "2.00 s/step" in first and "ETA 0:00:06" in first and "actor/m3" not in first
+    assert len(first) < 120
+    assert "ETA" not in console.step_line(4, metrics, total_steps=4)
