@@ -113,3 +113,26 @@ def test_quiet_silences_megatron_info_and_te_warnings():
         logging.getLogger("megatron").setLevel(logging.NOTSET)
         logging.getLogger("megatron.core.optimizer").setLevel(saved[0])
         warnings.filters[:] = saved[1]
+
+
+def test_swallowed_ctrl_c_still_exits_130(monkeypatch, tmp_path, capsys):
+    """A KeyboardInterrupt lost inside a callback (as in logging's at-fork lock release during convert) used to let
+    the command finish with exit 0; the recorded signal makes it 130."""
+    import signal
+
+    from megatron_ppo import cli
+
+    module = tmp_path / "swallow_cmd.py"
+    module.write_text("import os, signal\n"
+                      "def main(argv):\n"
+                      "    try:\n"
+                      "        os.kill(os.getpid(), signal.SIGINT)\n"
+                      "    except KeyboardInterrupt:\n"
+                      "        pass  # what 'Exception ignored in ...' amounts to\n"
+                      "    return 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.COMMANDS, "swallow", ("swallow_cmd", "test"))
+    before = signal.getsignal(signal.SIGINT)
+    assert cli.main(["swallow"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is before  # cli.main restores the handlers it replaced
