@@ -297,7 +297,7 @@ class TrainerConfig:
     max_consecutive_skips: int = field(3, "stop with an error after this many steps in a row in which a role had an "
                                        "update skipped for a non-finite loss or gradient norm (the skipped updates "
                                        "never reach the weights); -1: never stop", None)
-    save_freq: int = field(-1, "checkpoint every N steps; -1: only at the end")
+    save_freq: int = field(-1, "checkpoint every N steps and at the last step; -1: never (a preemption signal still saves)")
     test_freq: int = field(-1, "validate every N steps; -1: off")
     val_before_train: bool = field(True, "validate once before the first step")
     log_val_generations: int = field(0, "validation generations written to the logs")

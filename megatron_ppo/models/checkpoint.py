@@ -7,6 +7,7 @@ architecture, role and layout at save time, so loading a checkpoint into the wro
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,6 +18,9 @@ import torch.distributed as dist
 from megatron_ppo.models.unwrap import unwrap_model
 
 META_FILE = "megatron_ppo_model.json"
+# The optimizer's dist_checkpointing format: "fully_reshardable" loads at any TP/PP/DP (Megatron's default for the
+# distributed optimizer, fully_sharded_model_space, needs flattened ranges that 0.16.1's save refuses).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def _rank() -> int:
@@ -42,7 +46,7 @@ def save_checkpoint(model, directory: str, optimizer=None) -> None:
     _barrier()
     state = {"model": core.sharded_state_dict()}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"])
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=OPTIMIZER_METADATA)
     dist_checkpointing.save(state, tmp)
     if _rank() == 0:
         meta = {
@@ -92,9 +96,70 @@ def load_checkpoint(model, directory: str, optimizer=None) -> dict:
         raise ValueError(f"load_checkpoint: {directory} has no optimizer state")
     state = {"model": core.sharded_state_dict()}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True)
+        _init_empty_adam_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True,
+                                                          metadata=OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(state, directory)
     core.load_state_dict(loaded["model"], strict=True)
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with _keep_adam_step(optimizer):
+            optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(optimizer)
     return meta
+
+
+def _init_empty_adam_state(optimizer) -> None:
+    """Give a fresh optimizer (no step taken) zero Adam state, which the load then overwrites in place.
+
+    Megatron's distributed optimizer builds its sharded state dict from the existing state and asserts one common
+    ``step`` (without Apex/TE): a never-stepped optimizer has none. A dummy optimizer step would do it but would
+    also move the weights; zeros and step 0 are exactly a fresh Adam's state."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if len(inner.state[p]) == 0:
+                    inner.state[p].update(step=torch.zeros((), dtype=torch.float32),
+                                          exp_avg=torch.zeros_like(p.data), exp_avg_sq=torch.zeros_like(p.data))
+
+
+@contextlib.contextmanager
+def _keep_adam_step(optimizer):
+    """Work around megatron-core 0.16.1 loading a fully_reshardable distributed-optimizer state without TE/Apex:
+    torch Adam keeps ``step`` in each parameter's state, the checkpoint keeps it in the param groups (restored by
+    load_state_dict before), and ``_set_main_param_and_optimizer_states`` copies every state key from a source
+    that has no ``step`` (KeyError). The step already restored is kept as it is."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None or getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+            continue
+
+        def with_step(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+            step = opt.optimizer.state[main_param].get("step")
+            if step is not None and "step" not in tensors:
+                tensors = {**tensors, "step": step.clone()}
+            return original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = with_step
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """megatron-core 0.16.1's distributed-optimizer load (without TE/Apex) puts ONE ``step`` tensor into every
+    parameter's Adam state; torch Adam increments each state's step in place, so the shared tensor would advance
+    once per parameter per optimizer step and the bias correction of every later update would be wrong."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()

@@ -94,8 +94,9 @@ def total_training_steps(cfg, num_prompts: int) -> int:
     return cfg.trainer.total_training_steps or max(num_prompts // cfg.data.train_batch_size, 1) * cfg.trainer.total_epochs
 
 
-def build_components(cfg, worker_classes: dict | None = None) -> Components:
-    """worker_classes: {role: class or import path} overriding trainer.groups.WORKER_CLASSES (tests)."""
+def build_components(cfg, worker_classes: dict | None = None, resuming: bool = False) -> Components:
+    """worker_classes: {role: class or import path} overriding trainer.groups.WORKER_CLASSES (tests); resuming:
+    the run continues a checkpoint (its metrics.jsonl is appended to)."""
     built_tokenizer = prepare_data(cfg)
     tokenizer = load_tokenizer(cfg.actor.model.tokenizer_path or built_tokenizer or cfg.actor.model.path)
     policy = overlong_policy_from_verl(cfg.data.filter_overlong_prompts, cfg.data.truncation)
@@ -118,11 +119,11 @@ def build_components(cfg, worker_classes: dict | None = None) -> Components:
     kl_ctrl = None
     if cfg.algorithm.use_kl_in_reward:
         kwargs = {"fixed": {"kl_coef": kc.kl_coef},
-                  "adaptive": {"init_kl_coef": kc.kl_coef, "target_kl": kc.target_kl, "horizon": kc.horizon},
+                  "adaptive": {"kl_coef": kc.kl_coef, "target_kl": kc.target_kl, "horizon": kc.horizon},
                   "phased": {"phases": kc.phase_pairs(), "total_steps": total_steps}}[kc.type]
         kl_ctrl = build_kl_controller(kc.type, **kwargs)
     t = cfg.trainer
-    tracker = Tracker(t.logger, t.expand(t.log_dir), t.project_name, t.experiment_name)
+    tracker = Tracker(t.logger, t.expand(t.log_dir), t.project_name, t.experiment_name, append=resuming)
     dumper = None
     if cfg.rollout.dump_dir:
         writer = TrajectoryWriter(cfg.rollout.dump_dir, policy_name=t.experiment_name,

@@ -28,8 +28,6 @@ def unsupported_settings(cfg) -> list[str]:
     """Settings the driver would otherwise ignore silently: each is refused, by name."""
     checks = {
         "reward.reward_model.enable": cfg.reward.reward_model.enable,
-        "trainer.save_freq > 0 (checkpointing)": cfg.trainer.save_freq > 0,
-        "trainer.resume_mode=resume_path": cfg.trainer.resume_mode == "resume_path",
         # read nowhere else in the driver or the workers (tests/integration/test_config_keys_reach_code.py proves that
         # every other key reaches the code it names)
         "data.reward_fn_key (rewards are chosen by data_source)": cfg.data.reward_fn_key != "data_source",
@@ -41,8 +39,6 @@ def unsupported_settings(cfg) -> list[str]:
             m.tokenizer_path not in (None, cfg.actor.model.tokenizer_path) for m in (cfg.critic.model, cfg.ref.model)),
         "algorithm.rollout_correction.bypass_mode": cfg.algorithm.rollout_correction.bypass_mode,
         "trainer.log_val_generations > 0": cfg.trainer.log_val_generations > 0,
-        "trainer.max_actor_ckpt_to_keep / max_critic_ckpt_to_keep (checkpointing)":
-            cfg.trainer.max_actor_ckpt_to_keep is not None or cfg.trainer.max_critic_ckpt_to_keep is not None,
     }
     return [name for name, asked in checks.items() if asked]
 
@@ -73,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     refused = unsupported_settings(cfg)
     if refused:
         raise SystemExit(f"megatron-ppo train: the driver does not support {refused} yet (offline rollouts, "
-                         "reward models, checkpoints and resume are later roadmap items). Nothing was run.")
+                         "reward models are later roadmap items). Nothing was run.")
     checked = run_preflight(cfg)  # inputs, outputs, loggers, models: in seconds, before torch/Megatron/Ray
     import torch
 
@@ -90,25 +86,34 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_plan(cfg, checked))
         return 0
     from megatron_ppo.config import to_yaml
+    from megatron_ppo.trainer.checkpoint import CheckpointError, find_resume, resume_step
     from megatron_ppo.trainer.tracking import LogDirInUseError, claim_log_dir
 
+    try:  # trainer.resume_mode: which checkpoint (if any) this run continues
+        resume = find_resume(cfg.trainer)
+    except CheckpointError as exc:
+        raise SystemExit(f"megatron-ppo train: {exc}. Nothing was run.") from None
     try:  # before anything is built: a second run into the same log dir is refused in a second, not after minutes
-        claim_log_dir(cfg.trainer, to_yaml(cfg))
+        claim_log_dir(cfg.trainer, to_yaml(cfg), resume_step(resume) if resume else None)
     except LogDirInUseError as exc:
         raise SystemExit(f"megatron-ppo train: {exc}. Nothing was run.") from None
     console.set_run_log(f"{cfg.trainer.expand(cfg.trainer.log_dir)}/train.log")
-    log = logging.getLogger(__name__)
-    log.warning("checkpointing is not in the driver yet: this run saves none")
 
     from megatron_ppo.distributed import WorkerGroupError
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import NonFiniteTrainingError, PPOTrainer
+    from megatron_ppo.trainer.preemption import Preemption
 
     parts = None
+    preemption = Preemption().install()  # SIGTERM/SIGUSR1: finish the step, save, exit 0; SIGINT: exit 130 now
     try:
-        parts = build_components(cfg)
+        parts = build_components(cfg, resuming=resume is not None)
         parts.tracker.total_steps = parts.total_steps  # the console line's "step i/N" and ETA
-        history = PPOTrainer(cfg, parts).fit(parts.total_steps)
+        trainer = PPOTrainer(cfg, parts)
+        if resume:
+            trainer.resume(resume)
+        trainer.stop_requested = preemption.requested
+        history = trainer.fit(parts.total_steps)
     except NonFiniteTrainingError as exc:
         raise SystemExit(f"megatron-ppo train: stopped: {exc}") from None
     except WorkerGroupError as exc:
@@ -117,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if parts is not None:
             parts.close()
+        preemption.uninstall()
+    if preemption.requested():
+        print(f"megatron-ppo train: stopped by {preemption.requested()} after step {trainer.step}; checkpoint in "
+              f"{cfg.trainer.expand(cfg.trainer.default_local_dir)}/global_step_{trainer.step} (rerun the same "
+              "command with trainer.resume_mode=auto to continue)")
     last = history[-1] if history else {}
     score = last.get("reward/score/mean", math.nan)
     logs = cfg.trainer.expand(cfg.trainer.log_dir)

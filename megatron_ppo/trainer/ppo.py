@@ -8,6 +8,9 @@ target-KL guard run inside the workers (workers/actor.py, critic.py).
 """
 from __future__ import annotations
 
+import logging
+import os
+
 import numpy as np
 import torch
 
@@ -19,10 +22,13 @@ from megatron_ppo.data.batch import RolloutBatch, split_rows
 from megatron_ppo.distributed.dispatch import select_rows
 from megatron_ppo.distributed.dispatch import split_rows as split_by_tokens
 from megatron_ppo import ops
+from megatron_ppo.trainer import checkpoint as ckpt
 from megatron_ppo.trainer.offline import OFFLINE_KEY
 from megatron_ppo.trainer.offline import rollout_batch as offline_rollout_batch
 from megatron_ppo.trainer.tracking import timed
 from megatron_ppo.workers.payload import row_lengths, to_payload
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -36,12 +42,15 @@ class PPOTrainer:
         self.step = 0
         self.nonfinite_streak: dict[str, int] = {}  # role -> consecutive steps with a non-finite update skipped
         self.nonfinite_detail: dict[str, str] = {}  # role -> the offending values of its latest such step
+        self.stop_requested = None  # a callable -> the signal name when preemption asks to stop (entry.py), or None
+        self.resumed_from: str | None = None
 
     # ------------------------------------------------------------------------------------------------ the loop
     def fit(self, total_steps: int) -> list[dict]:
         history = []
-        if self.cfg.trainer.val_before_train and self.p.val_dataset is not None:
+        if self.cfg.trainer.val_before_train and self.p.val_dataset is not None and self.resumed_from is None:
             self.p.tracker.log(self.validate(), step=0)
+        save_freq = self.cfg.trainer.save_freq
         while self.step < total_steps:
             self.step += 1
             metrics: dict = {}
@@ -66,7 +75,85 @@ class PPOTrainer:
                 metrics.update(self.validate())
             history.append(self.p.tracker.log(metrics, step=self.step))
             self.check_nonfinite(metrics)
+            stop = self.stop_requested() if self.stop_requested is not None else None
+            if stop or (save_freq > 0 and (self.step % save_freq == 0 or self.step == total_steps)):
+                self.save_checkpoint()
+            if stop:
+                log.warning("%s: step %d finished and saved; stopping (resume with trainer.resume_mode=auto)", stop,
+                            self.step)
+                break
         return history
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def trained_roles(self) -> list[str]:
+        return ["actor"] + (["critic"] if self.p.critic is not None else [])
+
+    def state_dict(self) -> dict:
+        """The driver's own state (JSON): what the next step depends on besides the workers'."""
+        return {"step": self.step, "sampler": self.p.sampler.state_dict(),
+                "kl_ctrl": self.p.kl_ctrl.state_dict() if self.p.kl_ctrl is not None else None,
+                "nonfinite_streak": dict(self.nonfinite_streak), "nonfinite_detail": dict(self.nonfinite_detail),
+                "layouts": {role: str(self.p.groups.get(role).layout) for role in self.p.groups.groups}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Every field comes from ``state``, whatever this trainer was built with (a KL controller built with
+        another init coefficient continues from the saved one)."""
+        if (state["kl_ctrl"] is None) != (self.p.kl_ctrl is None):
+            raise ckpt.CheckpointError(f"the checkpoint was saved {'without' if state['kl_ctrl'] is None else 'with'}"
+                                       " a KL controller (algorithm.use_kl_in_reward); this run is the opposite")
+        self.step = int(state["step"])
+        self.p.sampler.load_state_dict(state["sampler"])
+        if self.p.kl_ctrl is not None:
+            self.p.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.nonfinite_streak = {k: int(v) for k, v in state["nonfinite_streak"].items()}
+        self.nonfinite_detail = dict(state["nonfinite_detail"])
+
+    def save_checkpoint(self) -> str:
+        """Step ``self.step``'s checkpoint (see trainer/checkpoint.py for the layout), written atomically; then the
+        oldest beyond trainer.max_<role>_ckpt_to_keep are deleted. Returns the checkpoint dir."""
+        import time
+
+        from megatron_ppo.parallel.rng_state import capture_rng
+
+        t = self.cfg.trainer
+        root = t.expand(t.default_local_dir)
+        start = time.perf_counter()
+        driver_rng = capture_rng()  # first: nothing the save does may shift the run's random streams
+        tmp = ckpt.begin_save(root, self.step)
+        for role in self.trained_roles():
+            states = self.p.groups.get(role).call_all("save_checkpoint", os.path.join(tmp, role))
+            ckpt.write_worker_states(tmp, role, states)
+        if self.p.ref is not None:
+            ckpt.write_worker_states(tmp, "ref", self.p.ref.call_all("rng_state"))
+        ckpt.write_driver_state(tmp, self.state_dict(), driver_rng)
+        final = ckpt.finish_save(root, tmp, self.step)
+        gone = ckpt.prune(root, {"actor": t.max_actor_ckpt_to_keep, "critic": t.max_critic_ckpt_to_keep}
+                          if self.p.critic is not None else {"actor": t.max_actor_ckpt_to_keep}, self.step)
+        log.info("checkpoint of step %d saved in %.1f s: %s%s", self.step, time.perf_counter() - start, final,
+                 f" (deleted {len(gone)} older)" if gone else "")
+        return final
+
+    def resume(self, directory: str) -> None:
+        """Load a checkpoint written by save_checkpoint (at this layout or another: the model and optimizer shards
+        reshard; RNG states are restored only where the layout is the saving one)."""
+        state, driver_rng = ckpt.read_driver_state(directory)
+        self.load_state_dict(state)
+        for role in self.trained_roles():
+            if not os.path.isdir(os.path.join(directory, role)):
+                raise ckpt.CheckpointError(f"{directory} has no {role} model (deleted by max_{role}_ckpt_to_keep?)")
+            states = ckpt.read_worker_states(directory, role)
+            out = self.p.groups.get(role).call_all("load_checkpoint", os.path.join(directory, role), states)
+            if not all(o["rng_restored"] for o in out):
+                log.warning("%s: saved at another layout (%s); weights, optimizer and schedules restored, RNG "
+                            "streams start afresh (the run continues, not bit-identically)", role,
+                            state["layouts"].get(role))
+        if self.p.ref is not None and os.path.isfile(ckpt.worker_state_file(directory, "ref")):
+            self.p.ref.call_all("restore_rng_state", ckpt.read_worker_states(directory, "ref"))
+        from megatron_ppo.parallel.rng_state import restore_rng
+
+        restore_rng(driver_rng)  # last: in-process workers share this process's generators
+        self.resumed_from = directory
+        log.info("resumed from %s at step %d", directory, self.step)
 
     # ------------------------------------------------------------------------------------------------ phases
     def rollout(self, prompts: dict, sampling=None, n: int | None = None) -> RolloutBatch:

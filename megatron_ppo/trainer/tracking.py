@@ -35,13 +35,14 @@ def _records_in(path: str) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def claim_log_dir(trainer_cfg, config_text: str) -> str:
+def claim_log_dir(trainer_cfg, config_text: str, resume_step: int | None = None) -> str:
     """Make trainer.log_dir this run's, before anything expensive is built; returns the expanded directory.
 
     A metrics.jsonl with records from an earlier run is refused (records of two runs in one file cannot be told
     apart) unless trainer.overwrite, which empties it. Then run.json names this run: start time and the sha256 of
-    its resolved config. Resuming (trainer.resume_mode with a checkpoint to resume from) is where appending to the
-    earlier run's file would be right; the in-process driver saves no checkpoints yet, so every run here is new.
+    its resolved config. Resuming from a checkpoint of step ``resume_step`` is the one case where the earlier
+    records stay: those after that step are dropped (the resumed run writes them again), so the file holds each
+    step once, and the run appends (Tracker(append=True)).
     """
     t = trainer_cfg
     log_dir = t.expand(t.log_dir)
@@ -49,23 +50,49 @@ def claim_log_dir(trainer_cfg, config_text: str) -> str:
         return log_dir
     metrics = os.path.join(log_dir, METRICS_FILE)
     records = _records_in(metrics)
-    if records and not t.overwrite:
+    if resume_step is not None:
+        os.makedirs(log_dir, exist_ok=True)
+        _truncate_after(metrics, resume_step)
+    elif records and not t.overwrite:
         elsewhere = ("a new trainer.experiment_name" if "{experiment_name}" in t.log_dir
                      else "another trainer.log_dir")
         raise LogDirInUseError(
             f"trainer.log_dir={log_dir}: {metrics} already holds {records} records of an earlier run "
             f"({_describe_run(os.path.join(log_dir, RUN_FILE))}); a second run would be mixed into the same file. "
             f"Set trainer.overwrite=true to start it afresh, or choose {elsewhere}")
-    os.makedirs(log_dir, exist_ok=True)
-    open(metrics, "w").close()  # empty: this run's records only (overwrite, or no records yet)
+    else:
+        os.makedirs(log_dir, exist_ok=True)
+        open(metrics, "w").close()  # empty: this run's records only (overwrite, or no records yet)
     run = {"run_start": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
            "project_name": t.project_name, "experiment_name": t.experiment_name, "metrics": METRICS_FILE}
+    if resume_step is not None:
+        run["resumed_from_step"] = resume_step
     tmp = os.path.join(log_dir, f".{RUN_FILE}.tmp")
     with open(tmp, "w") as f:
         json.dump(run, f, indent=1)
     os.replace(tmp, os.path.join(log_dir, RUN_FILE))
     return log_dir
+
+
+def _truncate_after(metrics: str, step: int) -> None:
+    """Keep the records of steps <= ``step`` (atomically: a crash here leaves the old file)."""
+    kept = []
+    if os.path.isfile(metrics):
+        with open(metrics) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record_step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{metrics} line {n}: not a metrics record ({exc}); cannot resume into it")
+                if record_step <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = metrics + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, metrics)
 
 
 def _describe_run(run_file: str) -> str:
@@ -87,9 +114,10 @@ class Tracker:
     """Fans a dict of scalar metrics out to the configured loggers."""
 
     def __init__(self, loggers: list[str], log_dir: str, project: str = "megatron_ppo", experiment: str = "run",
-                 config: Mapping | None = None, overwrite: bool = False):
+                 config: Mapping | None = None, overwrite: bool = False, append: bool = False):
         """A metrics.jsonl that already has records is refused (LogDirInUseError) unless `overwrite`, which
-        starts it afresh: one file never holds two runs."""
+        starts it afresh: one file never holds two runs. `append`: a resumed run continues the file (which
+        claim_log_dir has cut back to the resumed step)."""
         unknown = [name for name in loggers if name not in KNOWN_LOGGERS]
         if unknown:
             raise ValueError(f"trainer.logger: unknown logger(s) {unknown}; allowed: {list(KNOWN_LOGGERS)}")
@@ -103,11 +131,11 @@ class Tracker:
         self._jsonl = None
         if "jsonl" in loggers:
             path = os.path.join(log_dir, METRICS_FILE)
-            records = 0 if overwrite else _records_in(path)
+            records = 0 if overwrite or append else _records_in(path)
             if records:
                 raise LogDirInUseError(f"{path} already holds {records} records of an earlier run; pass "
                                        "overwrite=True (trainer.overwrite=true) or use another log dir")
-            self._jsonl = open(path, "w")
+            self._jsonl = open(path, "a" if append else "w")
         self._tb = None
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package (extra: tracking)

@@ -73,6 +73,55 @@ class RoleWorker(MegatronWorker):
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
 
+    def save_checkpoint(self, directory: str) -> dict:
+        """Write this role's model (+ optimizer) shards into ``directory`` (dist_checkpointing: collective over the
+        role's ranks, reloadable at another layout); returns this rank's small state for the driver to store: the
+        lr schedule, the target-KL guard (actor) and every RNG of this process (parallel/rng_state.py)."""
+        from megatron_ppo.models.checkpoint import save_checkpoint
+        from megatron_ppo.parallel.rng_state import capture_rng
+
+        rng = capture_rng()  # before the save: whatever the save itself draws is not part of the run
+        save_checkpoint(self.model, directory, self.optimizer)
+        return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "guard": self.guard_state(), "rng": rng, "layout": _layout()}
+
+    def load_checkpoint(self, directory: str, rank_states: list[dict]) -> dict:
+        """Load ``directory`` (saved at any layout) and the small per-rank states ``save_checkpoint`` returned.
+
+        The lr schedule and guard are identical on every saving rank, so rank 0's serve any layout; the RNG states
+        are restored only at the layout they were saved at (this rank's own; at another layout there is no
+        matching rank, and bit-exact continuation is not expected). Returns {"rng_restored": bool}."""
+        from megatron_ppo.models.checkpoint import load_checkpoint
+        from megatron_ppo.parallel.rng_state import restore_rng
+
+        load_checkpoint(self.model, directory, self.optimizer)
+        first = rank_states[0]
+        if self.scheduler is not None and first["scheduler"] is not None:
+            self.scheduler.load_state_dict(first["scheduler"])
+        if first.get("guard") is not None and getattr(self, "guard", None) is not None:
+            self.guard.load_state_dict(first["guard"])
+        same = len(rank_states) == _world() and rank_states[_rank()]["layout"] == _layout()
+        if same:
+            restore_rng(rank_states[_rank()]["rng"])
+        return {"rng_restored": same}
+
+    def guard_state(self) -> dict | None:
+        return None
+
+    def rng_state(self) -> dict:
+        from megatron_ppo.parallel.rng_state import capture_rng
+
+        return {"rng": capture_rng(), "layout": _layout()}
+
+    def restore_rng_state(self, rank_states: list[dict]) -> bool:
+        """A frozen role's RNGs (it has no other state): restored at the saving layout only."""
+        from megatron_ppo.parallel.rng_state import restore_rng
+
+        same = len(rank_states) == _world() and rank_states[_rank()]["layout"] == _layout()
+        if same:
+            restore_rng(rank_states[_rank()]["rng"])
+        return same
+
     def checksum(self) -> float:
         """Sum of |w| over this rank's shard, float64: a cheap fingerprint for "did the weights change"."""
         return float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))
@@ -177,6 +226,18 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     dev = t.to(default_device())
     dist.all_reduce(dev, group=group)
     return dev.cpu()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _layout() -> dict:
+    return {"tp": parallel.tp_size(), "pp": parallel.pp_size(), "dp": parallel.dp_size(), "world": _world()}
 
 
 def reduce_metrics(per_micro: list[dict], weights: list[float]) -> dict:

@@ -122,7 +122,6 @@ def test_target_kl_guard_skips_the_update_after_a_large_step(data_dir, tmp_path)
 
 
 @pytest.mark.parametrize("override, name", [
-    ("trainer.save_freq=5", "trainer.save_freq > 0 (checkpointing)"),
     ("data.reward_fn_key=src", "data.reward_fn_key (rewards are chosen by data_source)"),
     ("actor.optim.optimizer=sgd", "actor.optim.optimizer=sgd (Adam only)"),
     ("critic.optim.optimizer=sgd", "critic.optim.optimizer=sgd (Adam only)"),
@@ -132,7 +131,6 @@ def test_target_kl_guard_skips_the_update_after_a_large_step(data_dir, tmp_path)
      "critic.model.tokenizer_path / ref.model.tokenizer_path (all roles use the actor's tokenizer)"),
     ("algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.bypass_mode"),
     ("trainer.log_val_generations=4", "trainer.log_val_generations > 0"),
-    ("trainer.max_critic_ckpt_to_keep=2", "trainer.max_actor_ckpt_to_keep / max_critic_ckpt_to_keep (checkpointing)"),
 ])
 def test_train_refuses_what_it_would_otherwise_ignore(override, name):
     from megatron_ppo.trainer.entry import main
