@@ -30,6 +30,10 @@ NOISY_LOGGERS = ("megatron", "megatron.core", "torch.distributed", "transformer_
 FALLBACK_WARNING_PATTERNS = (r".*[Tt]ransformer[ _-]?[Ee]ngine.*", r".*\bTE\b.*", r".*[Aa]pex.*",
                              r".*fused.*(kernel|layer ?norm|adam).*", r".*torch\.distributed\._.*deprecated.*")
 
+# modules whose warnings are advice for library developers (deprecated Megatron flags, CUDA tuning hints on CPU,
+# torch.distributed renames, a torch performance note raised through our CPU shims)
+NOISY_WARNING_MODULES = r"(megatron|torch\.distributed|transformer_engine|apex|megatron_ppo\.parallel\.platform)(\..*)?$"
+
 _run_log: str | None = None
 
 
@@ -68,6 +72,8 @@ def quiet(verbose: bool | None = None) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     for pattern in FALLBACK_WARNING_PATTERNS:
         warnings.filterwarnings("ignore", message=pattern)
+    for category in (UserWarning, FutureWarning, DeprecationWarning):  # library advice meant for its developers
+        warnings.filterwarnings("ignore", category=category, module=NOISY_WARNING_MODULES)
     # Megatron logs its OptimizerConfig / DDP config dumps and bucket lists at INFO from module loggers named after
     # the module (megatron.core.optimizer, megatron.core.distributed...): the "megatron" parent above covers them.
 
@@ -237,6 +243,9 @@ _step_clock: dict = {}
 def step_line(step: int, scalars: dict, total_steps: int | None = None) -> str:
     """'step 3/8  reward 0.125  kl 0.0012  ...  2.1 s/step  ETA 0:00:10' (ETA from the mean step time so far)."""
     now = time.monotonic()
+    if step == 0:  # validation before training: not a step, and not part of the step-time clock
+        return "validation before training  " + "  ".join(
+            f"{k} {v:.4g}" for k, v in sorted(scalars.items()) if k.endswith("/mean") or k.startswith("val"))[:400]
     first = _step_clock.setdefault("first", (step, now))
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
     for label, keys in STEP_SUMMARY:

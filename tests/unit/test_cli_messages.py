@@ -53,3 +53,19 @@ def test_step_line_is_short_with_progress_and_eta():
     assert "2.00 s/step" in first and "ETA 0:00:06" in first and "actor/m3" not in first
     assert len(first) < 120
     assert "ETA" not in console.step_line(4, metrics, total_steps=4)
+
+
+def test_quiet_filters_megatron_developer_warnings():
+    import warnings
+
+    from megatron_ppo import console
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        console.quiet(verbose=False)
+        warnings.warn_explicit("full scope is deprecated", UserWarning, "transformer_config.py", 1705,
+                               module="megatron.core.transformer.transformer_config")
+        warnings.warn_explicit("all_gather_into_tensor is deprecated", FutureWarning, "c10d_logger.py", 83,
+                               module="torch.distributed.c10d_logger")
+        warnings.warn_explicit("a user's own warning", UserWarning, "mine.py", 1, module="my_reward")
+    assert [str(w.message) for w in caught] == ["a user's own warning"]
