@@ -1,0 +1,215 @@
+"""Trainer checkpoints, resume and preemption on real megatron-core models (CPU, gloo), real parquet data.
+
+Bit-exactness: a run stopped at step k (checkpoint saved) and resumed by a freshly built trainer must log, for
+every step after k, exactly (==) the metrics of the uninterrupted run, except wall-clock ones (timing/*,
+perf/tokens_per_s). The resumed trainer is built with OTHER constructor arguments where the checkpoint must win
+(the KL controller's init coefficient, the actor's lr), so a field the checkpoint forgets fails the comparison.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ppo.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TOTAL = 5  # 12 prompts / 4 per batch: steps 1-3 are epoch 0, 4-5 epoch 1
+
+
+def _overrides(data_dir: Path, tmp: Path, **extra) -> list[str]:
+    base = {
+        "data.preprocess.dataset": "gsm8k", "data.preprocess.tokenizer_vocab_size": 2048,
+        "data.preprocess.output_dir": str(data_dir),
+        "data.train_files": f"[{data_dir}/train.parquet]", "data.val_files": f"[{data_dir}/test.parquet]",
+        "data.max_prompt_length": 256, "data.train_batch_size": 4, "data.train_max_samples": 12,
+        "data.val_max_samples": 4, "data.max_response_length": 8,
+        "actor.ppo_mini_batch_size": 2, "actor.ppo_micro_batch_size_per_gpu": 2,
+        "critic.ppo_mini_batch_size": 2, "critic.ppo_micro_batch_size_per_gpu": 2,
+        # the driver's state that a resume must carry: an adaptive KL controller, the target-KL guard's counters
+        "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.05,
+        "algorithm.kl_guard.enable": True, "algorithm.kl_guard.target_kl": 100.0,
+        "actor.optim.lr_warmup_steps": 2, "actor.optim.lr_decay_style": "cosine", "actor.optim.min_lr": 1e-6,
+        "trainer.total_training_steps": TOTAL, "trainer.test_freq": -1, "trainer.val_before_train": False, "trainer.logger": "[jsonl]",
+        "trainer.log_dir": str(tmp / "logs"), "trainer.default_local_dir": str(tmp / "ckpt"),
+        "cluster.launcher": "local", "cluster.n_gpus_per_node": 1,
+        "cluster.actor.tensor_model_parallel_size": 1, "cluster.ref.tensor_model_parallel_size": 1,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith("timing/") and k != "perf/tokens_per_s"}
+
+
+def _run(cfg, steps: int, resume: str | None = None, before_fit=None):
+    """Build a trainer in this process (a fresh Megatron world), optionally resume, fit to ``steps``."""
+    from megatron_ppo import parallel
+    from megatron_ppo.parallel.platform import disable_cpu_platform
+    from megatron_ppo.trainer.components import build_components
+    from megatron_ppo.trainer.ppo import PPOTrainer
+
+    parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
+    try:
+        parts = build_components(cfg, resuming=resume is not None)
+        try:
+            trainer = PPOTrainer(cfg, parts)
+            if resume:
+                trainer.resume(resume)
+            if before_fit:
+                before_fit(trainer)
+            history = trainer.fit(steps)
+            weights = {k: v.detach().clone() for k, v in parts.actor.worker.model.named_parameters()}
+            return trainer, history, weights
+        finally:
+            parts.close()
+    finally:
+        parallel.destroy()
+        disable_cpu_platform()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("resume_data")
+
+
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    """The uninterrupted run: TOTAL steps, no checkpoint."""
+    tmp = tmp_path_factory.mktemp("straight")
+    _, history, weights = _run(load_config("tiny_cpu", _overrides(data_dir, tmp)), TOTAL)
+    return history, weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [2, 3], ids=["mid-epoch", "epoch-edge"])
+def test_resume_continues_the_uninterrupted_run_bit_exactly(data_dir, tmp_path, straight, stop):
+    from megatron_ppo.trainer import checkpoint as ckpt
+
+    history, weights = straight
+    cfg = load_config("tiny_cpu", _overrides(data_dir, tmp_path, **{"trainer.save_freq": stop}))
+    first, _, _ = _run(cfg, stop)
+    saved = ckpt.find_resume(cfg.trainer)
+    assert saved == str(tmp_path / "ckpt" / f"global_step_{stop}")
+    assert (tmp_path / "ckpt" / ckpt.LATEST_FILE).read_text().strip() == str(stop)
+    sampler = json.loads((Path(saved) / ckpt.DRIVER_STATE).read_text())["sampler"]
+    assert sampler["num_rows"] == 12, "the data changed: steps 1-3 must be one epoch"
+    assert (sampler["epoch"], sampler["position"]) == ((0, 8) if stop == 2 else (1, 0))
+
+    # other constructor arguments: the checkpoint's values must win
+    other = load_config("tiny_cpu", _overrides(data_dir, tmp_path / "resumed", **{
+        "algorithm.kl_ctrl.kl_coef": 0.9, "actor.optim.lr": 3e-3}))
+    resumed, tail, resumed_weights = _run(other, TOTAL, resume=saved)
+    assert resumed.step == TOTAL and len(tail) == TOTAL - stop
+    for expected, got in zip(history[stop:], tail):
+        assert _comparable(got) == _comparable(expected)
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
+    assert "actor/kl_coef" in tail[0] and "actor/kl_guard_skips_total" in tail[0]
+
+
+@pytest.mark.slow
+def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(data_dir, tmp_path, monkeypatch):
+    """The save of step 2 dies after the model shards are written (before the driver state): global_step_1 stays
+    the one resume_mode=auto picks, and resuming from it works; the next save removes the leftover."""
+    from megatron_ppo.trainer import checkpoint as ckpt
+
+    cfg = load_config("tiny_cpu", _overrides(data_dir, tmp_path, **{"trainer.save_freq": 1,
+                                                                     "trainer.max_actor_ckpt_to_keep": 2,
+                                                                     "trainer.max_critic_ckpt_to_keep": 1}))
+    real = ckpt.write_driver_state
+
+    def crash_at_step_2(tmp, state, rng):
+        if state["step"] == 2:
+            raise KeyboardInterrupt("killed in the middle of the save")
+        return real(tmp, state, rng)
+
+    monkeypatch.setattr(ckpt, "write_driver_state", crash_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        _run(cfg, 2)
+    monkeypatch.setattr(ckpt, "write_driver_state", real)
+    root = tmp_path / "ckpt"
+    leftovers = [p for p in root.iterdir() if p.name.startswith("global_step_2.tmp-")]
+    assert leftovers and (leftovers[0] / "actor" / "metadata.json").is_file()  # the shards were written
+    assert ckpt.complete_steps(str(root)) == [1]
+    assert ckpt.find_resume(cfg.trainer) == str(root / "global_step_1")
+
+    trainer, history, _ = _run(cfg, 3, resume=ckpt.find_resume(cfg.trainer))
+    assert [h for h in history] and trainer.step == 3 and len(history) == 2
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+    # pruning: actor keeps the newest 2 (steps 2, 3), critic the newest 1 (step 3); step 1 lost both: gone
+    assert ckpt.complete_steps(str(root)) == [2, 3]
+    assert (root / "global_step_2" / "actor").is_dir() and not (root / "global_step_2" / "critic").exists()
+    assert (root / "global_step_3" / "critic").is_dir()
+
+
+def test_resume_path_must_be_a_complete_checkpoint(tmp_path):
+    from megatron_ppo.trainer import checkpoint as ckpt
+
+    (tmp_path / "global_step_4").mkdir()
+    cfg = load_config("tiny_cpu", ["trainer.resume_mode=resume_path",
+                                   f"trainer.resume_from_path={tmp_path / 'global_step_4'}"])
+    with pytest.raises(ckpt.CheckpointError, match="trainer.resume_from_path=.*not a complete checkpoint"):
+        ckpt.find_resume(cfg.trainer)
+
+
+def _train_cmd(data_dir: Path, tmp: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_ppo.cli", "train", *_overrides(data_dir, tmp), *extra]
+
+
+def _records(tmp: Path) -> list[dict]:
+    path = tmp / "logs" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_0_and_a_new_process_resumes_bit_exactly(data_dir, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref = subprocess.run(_train_cmd(data_dir, ref_dir, "trainer.total_training_steps=4"), cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    cmd = _train_cmd(data_dir, run_dir, "trainer.total_training_steps=4")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while len(_records(run_dir)) < 1 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # during step 2
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    done = len(_records(run_dir))
+    assert 1 <= done < 4, "the signal came too late to test anything"
+    assert "SIGTERM" in err and f"stopped by SIGTERM after step {done}" in out
+    assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(done)
+
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    records, expected = _records(run_dir), _records(ref_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # each step once
+    for got, want in zip(records[done:], expected[done:]):
+        assert _comparable(got) == _comparable(want)
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_exits_at_once(data_dir, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(_train_cmd(data_dir, tmp_path, "trainer.total_training_steps=50"), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while len(_records(tmp_path)) < 1 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "SIGTERM again: exiting now" in err and "Traceback" not in err
+
