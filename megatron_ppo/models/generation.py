@@ -106,9 +106,11 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Exact in distribution like ``torch.multinomial(probs, 1)``, which draws B*V exponentials instead of B uniforms.
     """
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-    # right=True: the first index whose cdf exceeds u*total, so a zero-probability entry (flat cdf) is never hit.
-    idx = torch.searchsorted(cdf, u.to(torch.float64).view(-1, 1) * cdf[:, -1:], right=True).squeeze(-1)
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    total = cdf[:, -1:]
+    # right=True: the first index whose cdf exceeds u*total, so a zero-probability entry (flat cdf) is never hit;
+    # u*total may round up to total: then the last entry with mass (where the cdf first reaches total).
+    idx = torch.searchsorted(cdf, u.to(torch.float64).view(-1, 1) * total, right=True)
+    return torch.minimum(idx, torch.searchsorted(cdf, total)).squeeze(-1)
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,

@@ -210,6 +210,23 @@ def test_prefill_mode_is_checked(actor):
         SamplingParams(max_response_length=2, prefill="left")
 
 
+def test_inverse_cdf_sampler_never_draws_a_zero_and_follows_the_distribution():
+    from megatron_ppo.models.generation import sample_from_probs
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    edges = torch.tensor([0.0, 0.5, 0.75, 1.0 - 2 ** -53, 1.0], dtype=torch.float64)  # 1.0: u*total rounding up
+    for u in edges:
+        tok = sample_from_probs(probs, u.expand(2))
+        assert probs[torch.arange(2), tok].gt(0).all(), (u, tok)
+    assert sample_from_probs(probs[:1], torch.tensor([0.0])).item() == 1  # first non-zero entry
+    assert sample_from_probs(probs[:1], torch.tensor([0.5])).item() == 3  # cdf 0.5 at index 1 is not > 0.5
+    g = torch.Generator().manual_seed(0)
+    n = 40_000
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    counts = torch.bincount(sample_from_probs(probs[:1].expand(n, -1), u), minlength=6).double() / n
+    torch.testing.assert_close(counts, probs[0].double(), atol=0.01, rtol=0)
+
+
 def _job_greedy_layouts(rank, world, layout):
     from megatron_ppo import parallel
     from megatron_ppo.models.generation import generate

