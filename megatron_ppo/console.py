@@ -141,7 +141,9 @@ def report_error(command: str, exc: BaseException, debug: bool | None = None) ->
         sys.stderr.write(tb)
     message = str(exc).strip() or type(exc).__name__
     if isinstance(exc, KeyboardInterrupt):
-        text = f"{prog}: interrupted ({message if isinstance(exc, Interrupted) else 'SIGINT'})"
+        name = message if isinstance(exc, Interrupted) else "SIGINT"
+        text = (f"{prog}: interrupted by {name}; its child processes were stopped and its temp files removed "
+                "(outputs are written atomically: nothing partial is left)")
     elif code == 2:
         text = f"{prog}: error: {message}"
     else:

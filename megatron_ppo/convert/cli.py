@@ -9,9 +9,9 @@ import argparse
 import os
 import sys
 
-from megatron_ppo.convert.mapping import ConversionError
-from megatron_ppo.convert.pipeline import DTYPES, HF_CONFIG_SUBDIR, hf_to_mcore, mcore_to_hf
-from megatron_ppo.convert.verify import verify
+# as convert/pipeline.py (a test checks): kept here so that a bad argument is reported before torch and Megatron load
+DTYPES = ("fp32", "bf16", "fp16")
+HF_CONFIG_SUBDIR = "hf_config"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-ppo convert {args.direction}: error: {problem}", file=sys.stderr)
         return 2
     out = getattr(args, "out", None)
+    try:
+        from megatron_ppo.convert.mapping import ConversionError
+        from megatron_ppo.convert.pipeline import hf_to_mcore, mcore_to_hf
+        from megatron_ppo.convert.verify import verify
+    except console.Interrupted as e:
+        print(f"megatron-ppo convert {args.direction}: interrupted by {e} while loading; nothing was written",
+              file=sys.stderr, flush=True)
+        return e.exit_code
     try:
         if args.direction == "verify":
             diff = verify(args.hf, args.mcore, tokens=args.tokens)

@@ -17,14 +17,17 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")  # as convert/mapping.py (not imported: it loads torch)
 
 
@@ -214,6 +217,7 @@ def _preprocess_outputs(cfg) -> set[Path]:
 
 def run_preflight(cfg) -> dict:
     """All checks; raises PreflightError at the first problem. Returns what describe_plan prints."""
+    start = time.monotonic()
     t = cfg.trainer
     check_writable("trainer.log_dir", t.expand(t.log_dir))
     if cfg.rollout.dump_dir:
@@ -252,6 +256,10 @@ def run_preflight(cfg) -> dict:
                              f"data.train_files {train.files}{capped}: no batch fits; lower data.train_batch_size "
                              "or add data")
     check_rewards(cfg, set().union(*(s.data_sources for s in summaries.values())) if summaries else set())
+    rows = f"{train.rows} train rows, " if train is not None else ""
+    log.info("preflight ok (%sdata sources %s) in %.1f s; next: %s start-up and model build (a minute or more on "
+             "CPU)", rows, sorted(set().union(*(s.data_sources for s in summaries.values()))) if summaries else [],
+             time.monotonic() - start, "Ray" if cfg.cluster.launcher == "ray" else "in-process rank")
     return {"data": summaries}
 
 

@@ -136,3 +136,15 @@ def test_swallowed_ctrl_c_still_exits_130(monkeypatch, tmp_path, capsys):
     assert cli.main(["swallow"]) == 130
     assert "interrupted" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is before  # cli.main restores the handlers it replaced
+
+
+def test_convert_missing_input_names_the_flag(tmp_path):
+    proc, seconds = run_cli("convert", "mcore-to-hf", "--mcore", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "--mcore" in proc.stderr and "no such directory" in proc.stderr, proc.stderr
+    assert "hf_config" not in proc.stderr and len(err_lines(proc)) == 1 and seconds < 10
+
+
+def test_convert_cli_constants_match_the_pipeline():
+    from megatron_ppo.convert import cli, pipeline
+
+    assert set(cli.DTYPES) == set(pipeline.DTYPES) and cli.HF_CONFIG_SUBDIR == pipeline.HF_CONFIG_SUBDIR
