@@ -144,6 +144,8 @@ def run(args) -> dict:
                 "cpu_s": statistics.median(r["cpu_s"] for r in rs), "tokens": rs[0]["tokens"],
                 "load1": [round(r["load1"], 1) for r in rs], "rounds": rs}
         results["cases"].append(summary)
+        if args.json:  # after every case, so a long run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=1))
     if args.profile:
         results["profile"] = profile_ours(new, ours, tok, args)
     results["load_after"] = os.getloadavg()
@@ -173,15 +175,19 @@ def profile_ours(new, model, tok, args) -> dict:
 def markdown(res: dict) -> str:
     lines = [f"Threads: {res['threads']}; load average (1/5/15 min) before {fmt_load(res['load_before'])}, after "
              f"{fmt_load(res['load_after'])}. Medians of the interleaved rounds.", "",
-             "| case (prompts x new tokens, prompt lengths) | system | wall s | tokens/s | CPU s | ours / HF tokens/s |",
-             "|---|---|---|---|---|---|"]
+             "| case (prompts x new tokens, prompt lengths) | system | wall s | tokens/s | CPU s | tokens per CPU-s "
+             "| / HF (tokens/s) | / HF (tokens per CPU-s) | load (1 min) per round |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in res["cases"]:
         hf = c["systems"]["hf_generate"]["tok_s"]
+        hf_cpu = c["systems"]["hf_generate"]["tokens"] / c["systems"]["hf_generate"]["cpu_s"]
         for name, s in c["systems"].items():
             label = {"hf_generate": "HF `generate`", "ours": "ours (this commit)",
                      "ours_before": "ours before (aligned loop)"}[name]
+            per_cpu = s["tokens"] / s["cpu_s"]
             lines.append(f"| {c['prompts']} x {c['new_tokens']} ({c['prompt_len_min']}-{c['prompt_len_max']}) | {label} "
-                         f"| {s['wall_s']:.1f} | {s['tok_s']:.1f} | {s['cpu_s']:.1f} | {s['tok_s'] / hf:.2f} |")
+                         f"| {s['wall_s']:.1f} | {s['tok_s']:.1f} | {s['cpu_s']:.1f} | {per_cpu:.1f} "
+                         f"| {s['tok_s'] / hf:.2f} | {per_cpu / hf_cpu:.2f} | {', '.join(map(str, s['load1']))} |")
     return "\n".join(lines)
 
 

@@ -372,16 +372,18 @@ def _generate_ragged(model, prompts, params, vocab, use_kv_cache):
         with record_function("generate/sample"):
             nxt, lp = sampler(logits, rows)
         tokens[rows, cur] = torch.where(alive, nxt, 0)
-        rec = rows[alive]
-        res.responses[rec, step] = nxt[alive]
-        res.log_probs[rec, step] = lp[alive]
-        res.lengths[rec] = step + 1
+        res.responses[rows, step] = torch.where(alive, nxt, res.responses[rows, step])  # (no boolean indexing:
+        res.log_probs[rows, step] = torch.where(alive, lp, res.log_probs[rows, step])  # it would sync the host)
+        res.lengths[rows] = torch.where(alive, step + 1, res.lengths[rows])
         hit = alive & res.is_eos(nxt)
-        res.finished[rows[hit]] = True
+        res.finished[rows] = res.finished[rows] | hit
         alive &= ~hit
-        if step + 1 == r or not bool(alive.any()):  # the one host sync per step
+        if step + 1 == r:
             break
-        if params.drop_finished and not bool(alive.all()):
+        n_alive = int(alive.sum())  # the one host sync per step
+        if n_alive == 0:
+            break
+        if params.drop_finished and n_alive < rows.numel():
             with record_function("generate/drop_finished"):
                 keep = alive.nonzero().squeeze(-1)
                 rows, alive = rows[keep], alive[keep]
