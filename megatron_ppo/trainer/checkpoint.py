@@ -4,6 +4,8 @@
         latest_checkpointed_iteration.txt     the newest complete step (verl's name), written after the rename
         global_step_<N>/
             actor/ critic/                    dist_checkpointing dirs: model + optimizer shards (any TP/PP/DP reloads)
+            actor/hf_config/                  config + tokenizer of the HF model the run started from, if any
+                                              (`megatron-ppo convert mcore-to-hf --mcore .../actor` exports it)
             worker_state_<role>.pt            per rank: lr schedule, target-KL guard, RNG states (tensors/ints only)
             driver_rng.pt                     the driver process's RNG states
             driver_state.json                 step, KL controller, sampler position, non-finite streaks, layouts
@@ -109,6 +111,24 @@ def write_driver_state(tmp: str, state: dict, rng: dict) -> None:
 
 def write_worker_states(tmp: str, role: str, rank_states: list[dict]) -> None:
     torch.save(rank_states, worker_state_file(tmp, role))
+
+
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+def copy_hf_config(hf_path: str | None, role_dir: str) -> None:
+    """A run started from an HF model keeps its config and tokenizer files (not weights) in
+    ``<role_dir>/hf_config``, where `megatron-ppo convert mcore-to-hf --mcore <role_dir>` looks by default."""
+    if not hf_path or not os.path.isfile(os.path.join(hf_path, "config.json")):
+        return
+    from megatron_ppo.convert.pipeline import HF_CONFIG_SUBDIR
+
+    out = os.path.join(role_dir, HF_CONFIG_SUBDIR)
+    os.makedirs(out, exist_ok=True)
+    for name in HF_FILES:
+        if os.path.isfile(os.path.join(hf_path, name)):
+            shutil.copy2(os.path.join(hf_path, name), os.path.join(out, name))
 
 
 def finish_save(root: str, tmp: str, step: int) -> str:

@@ -123,6 +123,7 @@ class PPOTrainer:
         for role in self.trained_roles():
             states = self.p.groups.get(role).call_all("save_checkpoint", os.path.join(tmp, role))
             ckpt.write_worker_states(tmp, role, states)
+        ckpt.copy_hf_config(self.cfg.model_for("actor").path, os.path.join(tmp, "actor"))
         if self.p.ref is not None:
             ckpt.write_worker_states(tmp, "ref", self.p.ref.call_all("rng_state"))
         ckpt.write_driver_state(tmp, self.state_dict(), driver_rng)
