@@ -213,3 +213,56 @@ def test_a_second_sigterm_exits_at_once(data_dir, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "SIGTERM again: exiting now" in err and "Traceback" not in err
 
+
+class _FullActor:
+    """A probe mixed into the actor worker: its full (TP1/PP1) weights, gathered over TP and PP."""
+
+    def full_state_dict(self) -> dict:
+        from megatron_ppo.testing.sharding import gather_full_state_dict
+
+        return gather_full_state_dict(self.model)
+
+
+def _probe_classes():
+    from megatron_ppo.workers.actor import ActorWorker
+
+    return {"actor": type("FullActor", (_FullActor, ActorWorker), {"__module__": __name__})}
+
+
+@pytest.mark.slow
+def test_resume_at_another_layout_continues_with_equal_weights(data_dir, tmp_path):
+    """Saved by Ray ranks at actor/critic TP2, resumed in-process at TP1: the weights (and the optimizer state,
+    which the next update uses) reshard; the run continues. RNG streams are not comparable across layouts."""
+    ray = pytest.importorskip("ray")
+    from megatron_ppo.distributed import connect_or_start
+    from megatron_ppo.testing.sharding import gather_full_state_dict
+    from megatron_ppo.trainer.components import build_components
+    from megatron_ppo.trainer.ppo import PPOTrainer
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    tp2 = {"cluster.launcher": "ray", "cluster.n_gpus_per_node": 2, "cluster.actor.tensor_model_parallel_size": 2,
+           "cluster.critic.tensor_model_parallel_size": 2, "cluster.ref.tensor_model_parallel_size": 2,
+           "trainer.save_freq": 2}
+    cfg = load_config("tiny_cpu", _overrides(data_dir, tmp_path, **tp2))
+    cluster = connect_or_start("local", num_cpus=4)
+    try:
+        parts = build_components(cfg, worker_classes=_probe_classes())
+        try:
+            trainer = PPOTrainer(cfg, parts)
+            trainer.fit(2)
+            saved = parts.actor.call_all("full_state_dict")
+        finally:
+            parts.close()
+    finally:
+        cluster.shutdown()
+    assert all(torch.equal(saved[0][k], s[k]) for s in saved for k in s)
+
+    def compare(trainer):
+        got = gather_full_state_dict(trainer.p.actor.worker.model)
+        assert got.keys() == saved[0].keys()
+        assert all(torch.equal(got[k], saved[0][k]) for k in got)
+        assert trainer.step == 2
+
+    local = load_config("tiny_cpu", _overrides(data_dir, tmp_path / "tp1"))
+    trainer, history, _ = _run(local, 3, resume=str(tmp_path / "ckpt" / "global_step_2"), before_fit=compare)
+    assert trainer.step == 3 and len(history) == 1
