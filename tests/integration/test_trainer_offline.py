@@ -213,3 +213,11 @@ def test_offline_at_the_default_ray_layout(dump, data_dir, tmp_path):
     assert all(math.isfinite(r["actor/pg_loss"]) and "rollout_corr/rollout_is_mean" in r for r in recs)
     assert "val/test_score/openai/gsm8k" in recs[-1]
     assert json.loads((out / "layout.json").read_text())["roles"]["actor"]["tp"] == 2
+
+
+def test_offline_refuses_more_than_one_response_per_row(data_dir, tmp_path):
+    from megatron_ppo.trainer.components import build_components
+
+    cfg = load_config("tiny_cpu", _offline(data_dir, tmp_path, tmp_path / "t.parquet", **{"rollout.n": 2}))
+    with pytest.raises(ValueError, match="rollout.n=2: offline"):
+        build_components(cfg)
