@@ -69,3 +69,22 @@ def test_quiet_filters_megatron_developer_warnings():
                                module="torch.distributed.c10d_logger")
         warnings.warn_explicit("a user's own warning", UserWarning, "mine.py", 1, module="my_reward")
     assert [str(w.message) for w in caught] == ["a user's own warning"]
+
+
+def test_overlong_prompt_error_names_config_keys(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megatron_ppo.data.prompt_dataset import PromptDataset, PromptTooLongError
+    from megatron_ppo.data.schema import GSM8K_PROMPT_SCHEMA
+    from megatron_ppo.data.tokenizer import gsm8k_tokenizer
+
+    tok = gsm8k_tokenizer(tmp_path / "tok")
+    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "What is 1 + 2 + 3 + 4?"}],
+           "ability": "math", "reward_model": {"style": "rule", "ground_truth": "10"}, "extra_info": None}
+    pq.write_table(pa.Table.from_pylist([row], schema=GSM8K_PROMPT_SCHEMA), tmp_path / "p.parquet")
+    with pytest.raises(PromptTooLongError) as info:
+        PromptDataset(tmp_path / "p.parquet", tok, max_prompt_length=4)
+    text = str(info.value)
+    assert "data.max_prompt_length" in text and "data.filter_overlong_prompts" in text and "data.truncation" in text
+    assert "overlong_prompt_policy" not in text
