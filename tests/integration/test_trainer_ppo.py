@@ -52,7 +52,6 @@ def _changed(before, group):
     return [k for k, v in group.worker.model.named_parameters() if not torch.equal(before[k], v.detach())]
 
 
-@pytest.mark.slow
 def test_one_ppo_step_end_to_end(data_dir, tmp_path):
     from megatron_ppo import parallel
     from megatron_ppo.data.trajectory import TrajectoryDataset
@@ -220,7 +219,6 @@ def test_actor_and_critic_start_from_an_hf_checkpoint(data_dir, tmp_path):
     assert list((tmp_path / "ckpt" / "hf_import").iterdir())  # the conversion is cached for the next run
 
 
-@pytest.mark.slow
 def test_grpo_step_groups_the_n_responses_of_each_prompt(data_dir, tmp_path):
     """adv_estimator=grpo: no critic; each prompt's rollout.n responses form one group (uid per prompt and step),
     so every group's advantages are centred on the group's mean reward."""

@@ -60,13 +60,15 @@ def test_verl_rlhf_dataset_reads_our_parquet(tok, ours, hf_cache):
 
 
 def _verl_process_fn(split):
-    """The map function of verl's examples/data_preprocess/gsm8k.py (same logic; the example is not installed)."""
-    import re
+    """The map function of verl's examples/data_preprocess/gsm8k.py. The examples/ folder is not in verl's wheel, so
+    the map's record layout is transcribed; the ground truth comes from verl's own installed code
+    (``verl.utils.reward_score.gsm8k.extract_solution``, strict: the last ``#### N``, commas removed), not a copy."""
+    from verl.utils.reward_score.gsm8k import extract_solution as verl_extract
 
     def extract_solution(solution_str):
-        solution = re.search("#### (\\-?[0-9\\.\\,]+)", solution_str)
+        solution = verl_extract(solution_str, method="strict")
         assert solution is not None
-        return solution.group(0).split("#### ")[1].replace(",", "")
+        return solution
 
     def process_fn(example, idx):
         question_raw = example.pop("question")
