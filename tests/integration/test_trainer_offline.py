@@ -112,7 +112,9 @@ def test_offline_replay_weights_and_training(dump, data_dir, tmp_path):
     shifted = [(old[i, : int(n)] - shifts[i, : int(n)]).tolist() for i, n in enumerate(batch.response_lengths)]
     table = table.set_column(table.schema.names.index("rollout_log_probs"), "rollout_log_probs",
                              pa.array(shifted, pa.list_(pa.float32())))
-    pq.write_table(table.drop_columns(["reward"]), tmp_path / "shifted.parquet")
+    # stored rewards on rows 0 and 2 (values the rule reward never gives), null on rows 1 and 3: scored
+    table = table.set_column(table.schema.names.index("reward"), "reward", pa.array([0.7, None, -0.3, None], pa.float64()))
+    pq.write_table(table, tmp_path / "shifted.parquet")
     cfg = load_config("tiny_cpu", _offline(data_dir, tmp_path / "b", tmp_path / "shifted.parquet", **rc))
     batch2, m2 = _phases(cfg)
     expected = torch.exp(shifts).clamp(max=2.0) * mask
@@ -121,7 +123,9 @@ def test_offline_replay_weights_and_training(dump, data_dir, tmp_path):
     # token_k1 with threshold 2: ratios outside [0.5, 2] are rejected -> the d=1.0 tokens (ratio e)
     assert m2["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(
         float((shifts[mask] == 1.0).float().mean()), abs=1e-6)
-    assert "reward/stored_fraction" in m2 and m2["reward/stored_fraction"] == 0.0  # no reward column: scored
+    scored = batch.tensors["sequence_scores"]  # part 1: the dump's rewards, = the rule reward of the same text
+    assert batch2.tensors["sequence_scores"].tolist() == pytest.approx([0.7, float(scored[1]), -0.3, float(scored[3])])
+    assert m2["reward/stored_fraction"] == 0.5 and m2["reward/score/min"] == pytest.approx(-0.3)
 
     # 3. The dump trains offline, unchanged, through the CLI (one step, validation online).
     out = tmp_path / "c"
