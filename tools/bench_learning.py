@@ -124,7 +124,7 @@ def main() -> None:
     recs = [json.loads(line) for line in (work / "offline_token_is" / "metrics.jsonl").read_text().splitlines()]
     is_mean = [r["rollout_corr/rollout_is_mean"] for r in recs if "rollout_corr/rollout_is_mean" in r]
     entropy = [r["actor/entropy"] for r in recs if "actor/entropy" in r]
-    lines += ["", f"Why token IS does not raise it here: the fresh actor gives the dump's digit-writing tokens (from the "
+    lines += ["", "Why token IS does not raise it here: the fresh actor gives the dump's digit-writing tokens (from the "
               f"online run's later, trained policy) a far lower probability than the behaviour policy did, so their "
               f"truncated IS weights are small (rollout_corr/rollout_is_mean {min(is_mean):.2f}-{max(is_mean):.2f}), "
               "while the early rows' tokens (behaviour close to a fresh actor) keep weights near 1 with negative "
@@ -134,7 +134,8 @@ def main() -> None:
               "log-likelihood of the stored responses) does: here, on trajectories far from the actor, rollout "
               "correction off is the setting that learned (rejection sampling was not measured)."]
     (REPO / args.out).write_text("\n".join(lines) + "\n")
-    print(f"{args.out}: margins {fmt(margins)}; offline val " + "; ".join(f"{n}: {c['val']}" for n, (_, _, c) in offline.items()))
+    vals = "; ".join(f"{n}: {c['val']}" for n, (_, _, c) in offline.items())
+    print(f"{args.out}: margins {fmt(margins)}; offline val {vals}")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,8 @@ def test_offline_replay_weights_and_training(dump, data_dir, tmp_path):
     table = table.set_column(table.schema.names.index("rollout_log_probs"), "rollout_log_probs",
                              pa.array(shifted, pa.list_(pa.float32())))
     # stored rewards on rows 0 and 2 (values the rule reward never gives), null on rows 1 and 3: scored
-    table = table.set_column(table.schema.names.index("reward"), "reward", pa.array([0.7, None, -0.3, None], pa.float64()))
+    table = table.set_column(table.schema.names.index("reward"), "reward",
+                             pa.array([0.7, None, -0.3, None], pa.float64()))
     pq.write_table(table, tmp_path / "shifted.parquet")
     cfg = load_config("tiny_cpu", _offline(data_dir, tmp_path / "b", tmp_path / "shifted.parquet", **rc))
     batch2, m2 = _phases(cfg)
