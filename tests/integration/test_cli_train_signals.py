@@ -1,0 +1,75 @@
+"""`megatron-ppo train` stopped by Ctrl-C or SIGTERM mid-run (issue 15, with issue 13's preemption semantics):
+a short message, no traceback, and no process of the run's tree (Ray's processes included) left alive. Real
+processes, real signals."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {p.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [
+    (signal.SIGINT, 130),
+    # issue 13: SIGTERM finishes the step, saves, exits 0. Measured on the Ray launcher: the driver aborts instead
+    # (rc -6, "*** SIGTERM received ***" from Ray's C++ failure-signal handler, which ray.init installs over the
+    # Python handler that trainer/preemption.py set before the ranks started). Strict: passes -> remove the mark.
+    pytest.param(signal.SIGTERM, 0, marks=pytest.mark.xfail(strict=True, reason="Ray's failure-signal handler "
+                                                            "replaces the driver's SIGTERM handler")),
+])
+def test_train_signal_is_short_and_leaves_no_process(tmp_path, sig, code):
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_ppo.cli", "train", "trainer.total_training_steps=40",
+                             "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.log_dir={tmp_path}/l",
+                             f"trainer.default_local_dir={tmp_path}/ckpt"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    tree = []
+    try:
+        deadline = time.monotonic() + 600
+        for line in proc.stdout:  # wait until training runs (the first step line)
+            if line.startswith("step 1/"):
+                break
+            assert time.monotonic() < deadline
+        else:
+            pytest.fail(f"the run ended before its first step: {proc.wait()} {proc.stderr.read()[-3000:]}")
+        tree = _tree(proc.pid)
+        assert len(tree) > 1  # Ray's processes and the ranks
+        os.kill(proc.pid, sig)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, (proc.returncode, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr[-3000:]
+    ours = [line for line in stderr.splitlines() if line.startswith("megatron-ppo train:")]
+    assert 1 <= len(ours) <= 3 and signal.Signals(sig).name in ours[0], stderr[-2000:]
+    deadline = time.monotonic() + 30
+    while _alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _alive(tree) == [], "processes of the run still alive"
