@@ -266,3 +266,83 @@ def test_resume_at_another_layout_continues_with_equal_weights(data_dir, tmp_pat
     local = load_config("tiny_cpu", _overrides(data_dir, tmp_path / "tp1"))
     trainer, history, _ = _run(local, 3, resume=str(tmp_path / "ckpt" / "global_step_2"), before_fit=compare)
     assert trainer.step == 3 and len(history) == 1
+
+
+@pytest.mark.slow
+def test_resume_on_ray_at_the_same_layout_is_bit_exact(data_dir, tmp_path):
+    """Ray ranks (actor and critic DP2, per-rank RNG states): 4 straight steps vs 2 + a resume in new groups."""
+    ray = pytest.importorskip("ray")  # noqa: F841
+    from megatron_ppo.distributed import connect_or_start
+    from megatron_ppo.trainer.components import build_components
+    from megatron_ppo.trainer.ppo import PPOTrainer
+
+    dp2 = {"cluster.launcher": "ray", "cluster.n_gpus_per_node": 2, "trainer.total_training_steps": 4,
+           "actor.ppo_micro_batch_size_per_gpu": 1, "critic.ppo_micro_batch_size_per_gpu": 1}
+
+    def run(tmp, steps, save_freq=-1, resume=None):
+        cfg = load_config("tiny_cpu", _overrides(data_dir, tmp, **dp2, **{"trainer.save_freq": save_freq}))
+        parts = build_components(cfg, resuming=resume is not None)
+        try:
+            trainer = PPOTrainer(cfg, parts)
+            assert parts.actor.layout.dp == 2
+            if resume:
+                trainer.resume(resume)
+            return trainer.fit(steps)
+        finally:
+            parts.close()
+
+    cluster = connect_or_start("local", num_cpus=4)
+    try:
+        straight = run(tmp_path / "straight", 4)
+        run(tmp_path / "first", 2, save_freq=2)
+        tail = run(tmp_path / "resumed", 4, resume=str(tmp_path / "first" / "ckpt" / "global_step_2"))
+    finally:
+        cluster.shutdown()
+    assert len(tail) == 2
+    for expected, got in zip(straight[2:], tail):
+        assert _comparable(got) == _comparable(expected)
+
+
+def _fake_checkpoint(root: Path, step: int, roles=("actor", "critic"), complete=True) -> Path:
+    from megatron_ppo.trainer import checkpoint as ckpt
+
+    d = root / f"global_step_{step}"
+    for role in roles:
+        (d / role).mkdir(parents=True)
+    if complete:
+        (d / ckpt.DRIVER_STATE).write_text("{}")
+    return d
+
+
+def test_auto_resume_takes_the_newest_complete_checkpoint_whatever_the_pointer_says(tmp_path):
+    """A crash after the rename but before the pointer: the pointer lags, the complete dir wins; an unfinished
+    tmp dir and a dir without driver_state.json are never chosen."""
+    from megatron_ppo.trainer import checkpoint as ckpt
+
+    root = tmp_path / "ckpt"
+    _fake_checkpoint(root, 2)
+    _fake_checkpoint(root, 4)
+    _fake_checkpoint(root, 6, complete=False)
+    (root / "global_step_8.tmp-123" / "actor").mkdir(parents=True)
+    (root / ckpt.LATEST_FILE).write_text("2\n")
+    cfg = load_config("tiny_cpu", [f"trainer.default_local_dir={root}"])
+    assert ckpt.find_resume(cfg.trainer) == str(root / "global_step_4")
+    assert ckpt.resume_step(ckpt.find_resume(cfg.trainer)) == 4
+    assert ckpt.find_resume(load_config("tiny_cpu", [f"trainer.default_local_dir={root}",
+                                                     "trainer.resume_mode=disable"]).trainer) is None
+    assert ckpt.find_resume(load_config("tiny_cpu", [f"trainer.default_local_dir={tmp_path / 'none'}"]).trainer) is None
+
+
+def test_prune_keeps_the_newest_per_role_and_never_the_current(tmp_path):
+    from megatron_ppo.trainer import checkpoint as ckpt
+
+    for step in (1, 2, 3, 4):
+        _fake_checkpoint(tmp_path, step)
+    gone = ckpt.prune(str(tmp_path), {"actor": 2, "critic": 1}, current=4)
+    assert ckpt.complete_steps(str(tmp_path)) == [3, 4]
+    assert sorted(p.name for p in (tmp_path / "global_step_3").iterdir() if p.is_dir()) == ["actor"]
+    assert sorted(p.name for p in (tmp_path / "global_step_4").iterdir() if p.is_dir()) == ["actor", "critic"]
+    assert len(gone) == 2 + 3 + 2  # actor of 1, 2; critic of 1, 2, 3; then the emptied dirs 1 and 2
+    gone = ckpt.prune(str(tmp_path), {"actor": 1, "critic": None}, current=4)
+    assert gone == [str(tmp_path / "global_step_3" / "actor"), str(tmp_path / "global_step_3")]
+    assert ckpt.complete_steps(str(tmp_path)) == [4]
