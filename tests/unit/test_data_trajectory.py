@@ -172,3 +172,25 @@ def test_writer_rejects_malformed_batches(tok, tmp_path):
     with pytest.raises(TrajectoryError, match="1-D per row"):
         writer.append(0, {**_batch(tok), "response_ids": [torch.ones(2, 2, dtype=torch.long)] * 3})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_items_name_their_file_row_after_filtering_and_the_writers_tokenizer(tok, tmp_path):
+    """Each item's `source` is its row in the file (row 2 stays row 2 when row 1 was dropped); the writer's
+    tokenizer fingerprint is stored in the parquet metadata and read back per item; without a tokenizer, none."""
+    from megatron_ppo.data.trajectory import TOKENIZER_METADATA, tokenizer_fingerprint
+
+    batch = _batch(tok)
+    batch["response"][1], batch["response_ids"][1], batch["rollout_log_probs"][1] = "", [], np.zeros(0, np.float32)
+    pq.write_table(trajectory_table(batch), tmp_path / "t.parquet")
+    ds = TrajectoryDataset(tmp_path / "t.parquet", tokenizer=tok)
+    assert [it["source"] for it in ds.items] == [f"{tmp_path / 't.parquet'}: row 0", f"{tmp_path / 't.parquet'}: row 2"]
+    assert all(it["tokenizer"] is None for it in ds.items)
+
+    good = _batch(tok)
+    path = TrajectoryWriter(tmp_path / "w", tokenizer=tok).append(1, good)
+    fingerprint = tokenizer_fingerprint(tok)
+    assert len(fingerprint) == 64
+    assert pq.read_schema(path).metadata[TOKENIZER_METADATA] == fingerprint.encode()
+    assert {it["tokenizer"] for it in TrajectoryDataset(path, tokenizer=tok).items} == {fingerprint}
+    other = gsm8k_tokenizer(tmp_path / "other", vocab_size=300)
+    assert tokenizer_fingerprint(other) != fingerprint
