@@ -33,6 +33,9 @@ def _overrides(data_dir: Path, tmp: Path, **extra) -> list[str]:
         # one in-process rank per role (LocalWorkerGroup); tests/integration/test_ppo_ray.py runs the Ray layouts
         "cluster.launcher": "local", "cluster.n_gpus_per_node": 1,
         "cluster.actor.tensor_model_parallel_size": 1, "cluster.ref.tensor_model_parallel_size": 1,
+        # the settings these tests were written for (tiny_cpu.yaml now has the learnable default's)
+        "trainer.val_before_train": "false", "actor.ppo_epochs": 1, "critic.ppo_epochs": 1,
+        "actor.optim.lr": 1e-4, "critic.optim.lr": 1e-4, "reward.format_score": 0.0,
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
