@@ -50,7 +50,29 @@ def _comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith("timing/") and k != "perf/tokens_per_s"}
 
 
-def _run(cfg, steps: int, resume: str | None = None, before_fit=None):
+def _scramble_rng() -> None:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.set_states({name: torch.Generator().manual_seed(i).get_state()
+                        for i, name in enumerate(tracker.get_states())})
+
+
+def _assert_same_rng(a: dict, b: dict) -> None:
+    assert a["python"] == b["python"]
+    assert torch.equal(a["numpy"][1], b["numpy"][1]) and a["numpy"][2:] == b["numpy"][2:]
+    assert torch.equal(a["torch"], b["torch"])
+    assert a["tracker"].keys() == b["tracker"].keys() and a["tracker"]
+    assert all(torch.equal(a["tracker"][k], b["tracker"][k]) for k in a["tracker"])
+
+
+def _run(cfg, steps: int, resume: str | None = None, before_fit=None, after_fit=None):
     """Build a trainer in this process (a fresh Megatron world), optionally resume, fit to ``steps``."""
     from megatron_ppo import parallel
     from megatron_ppo.parallel.platform import disable_cpu_platform
@@ -63,10 +85,13 @@ def _run(cfg, steps: int, resume: str | None = None, before_fit=None):
         try:
             trainer = PPOTrainer(cfg, parts)
             if resume:
+                _scramble_rng()  # a new process's history differs: whatever it drew must not matter
                 trainer.resume(resume)
             if before_fit:
                 before_fit(trainer)
             history = trainer.fit(steps)
+            if after_fit:
+                after_fit(trainer)
             weights = {k: v.detach().clone() for k, v in parts.actor.worker.model.named_parameters()}
             return trainer, history, weights
         finally:
@@ -94,9 +119,12 @@ def straight(data_dir, tmp_path_factory):
 def test_resume_continues_the_uninterrupted_run_bit_exactly(data_dir, tmp_path, straight, stop):
     from megatron_ppo.trainer import checkpoint as ckpt
 
+    from megatron_ppo.parallel.rng_state import capture_rng
+
     history, weights = straight
     cfg = load_config("tiny_cpu", _overrides(data_dir, tmp_path, **{"trainer.save_freq": stop}))
-    first, _, _ = _run(cfg, stop)
+    rngs = []
+    first, _, _ = _run(cfg, stop, after_fit=lambda trainer: rngs.append(capture_rng()))
     saved = ckpt.find_resume(cfg.trainer)
     assert saved == str(tmp_path / "ckpt" / f"global_step_{stop}")
     assert (tmp_path / "ckpt" / ckpt.LATEST_FILE).read_text().strip() == str(stop)
@@ -107,7 +135,11 @@ def test_resume_continues_the_uninterrupted_run_bit_exactly(data_dir, tmp_path, 
     # other constructor arguments: the checkpoint's values must win
     other = load_config("tiny_cpu", _overrides(data_dir, tmp_path / "resumed", **{
         "algorithm.kl_ctrl.kl_coef": 0.9, "actor.optim.lr": 3e-3}))
-    resumed, tail, resumed_weights = _run(other, TOTAL, resume=saved)
+    resumed, tail, resumed_weights = _run(other, TOTAL, resume=saved,
+                                          before_fit=lambda trainer: rngs.append(capture_rng()))
+    # every RNG of the process (python, numpy, torch, Megatron's tracker) is where the first run left it (the tiny
+    # model has no dropout and generation seeds come from the step, so the metrics alone would not show this)
+    _assert_same_rng(*rngs)
     assert resumed.step == TOTAL and len(tail) == TOTAL - stop
     for expected, got in zip(history[stop:], tail):
         assert _comparable(got) == _comparable(expected)
@@ -286,6 +318,7 @@ def test_resume_on_ray_at_the_same_layout_is_bit_exact(data_dir, tmp_path):
             trainer = PPOTrainer(cfg, parts)
             assert parts.actor.layout.dp == 2
             if resume:
+                _scramble_rng()  # a new process's history differs: whatever it drew must not matter
                 trainer.resume(resume)
             return trainer.fit(steps)
         finally:
