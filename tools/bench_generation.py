@@ -148,6 +148,8 @@ def run(args) -> dict:
             Path(args.json).write_text(json.dumps(results, indent=1))
     if args.profile:
         results["profile"] = profile_ours(new, ours, tok, args)
+        if before is not None:
+            results["profile_before"] = profile_ours(before, ours, tok, args)
     results["load_after"] = os.getloadavg()
     parallel.destroy()
     return results
@@ -173,8 +175,10 @@ def profile_ours(new, model, tok, args) -> dict:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"Threads: {res['threads']}; load average (1/5/15 min) before {fmt_load(res['load_before'])}, after "
-             f"{fmt_load(res['load_after'])}. Medians of the interleaved rounds.", "",
+    load = (f"; load average (1/5/15 min) before {fmt_load(res['load_before'])}, after {fmt_load(res['load_after'])}"
+            if "load_before" in res else "")
+    lines = [f"Threads: {res['threads']}{load}. Medians of the interleaved rounds (1-min load average at the end "
+             "of each round in the last column; the machine has 2 cores).", "",
              "| case (prompts x new tokens, prompt lengths) | system | wall s | tokens/s | CPU s | tokens per CPU-s "
              "| / HF (tokens/s) | / HF (tokens per CPU-s) | load (1 min) per round |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -182,7 +186,7 @@ def markdown(res: dict) -> str:
         hf = c["systems"]["hf_generate"]["tok_s"]
         hf_cpu = c["systems"]["hf_generate"]["tokens"] / c["systems"]["hf_generate"]["cpu_s"]
         for name, s in c["systems"].items():
-            label = {"hf_generate": "HF `generate`", "ours": "ours (this commit)",
+            label = {"hf_generate": "HF `generate`", "ours": "ours (ragged prefill)",
                      "ours_before": "ours before (aligned loop)"}[name]
             per_cpu = s["tokens"] / s["cpu_s"]
             lines.append(f"| {c['prompts']} x {c['new_tokens']} ({c['prompt_len_min']}-{c['prompt_len_max']}) | {label} "

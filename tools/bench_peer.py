@@ -184,6 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--before-rev", default=BEFORE_REV)
     ap.add_argument("--skip-ppo", action="store_true", help="generation table only")
     ap.add_argument("--skip-gen", action="store_true", help="PPO table only")
+    ap.add_argument("--note", default="", help="a paragraph added to the page (e.g. what a run left out and why)")
     ap.add_argument("--render-only", action="store_true",
                     help="write --out from build/peer/{generation,ppo}.json of earlier runs (no measurement)")
     ap.add_argument("--out", default=str(REPO / "docs" / "bench" / "peer.md"))
@@ -238,24 +239,33 @@ def render(args, gen, ppo, gen_markdown) -> str:
     cmd = "`.venv/bin/python tools/bench_peer.py " + " ".join(
         [f"--cases {' '.join(args.cases)}", f"--steps {args.steps}", f"--pairs {args.pairs}",
          f"--gen-reps {args.gen_reps}", f"--threads {args.threads}"]) + "`"
+    how = (f"Command: {cmd} (measures everything below in one run)." if not args.render_only else
+           "Rendered with `--render-only` from the runs each part names; the full measurement is "
+           "`.venv/bin/python tools/bench_peer.py`.")
     out = ["## Peer comparison: TRL PPOTrainer and HF `generate` (tools/bench_peer.py)", "",
-           f"Command: {cmd}. Model SmolLM2-135M-Instruct, fp32, CPU, same GSM8K prompts, same thread count; "
-           "systems interleaved in one run (see the tool's docstring).", ""]
+           f"{how} Model SmolLM2-135M-Instruct, fp32, CPU, same GSM8K prompts, same thread count; "
+           "systems interleaved (see the tool's docstring).", ""]
     if gen:
         out += ["### Generation alone: ours vs HF `generate` (tokens/s)", "",
                 f"Produced by `{gen.get('command', 'python tools/bench_generation.py (from bench_peer.py)')}`.", "",
                 gen_markdown(gen), ""]
-        prof = gen.get("profile")
-        if prof:
-            out += [f"#### Where one rollout's time goes (ours, {prof['case']}, torch profiler, "
-                    f"{prof['wall_s']:.1f} s under the profiler)", "",
-                    "| phase | s |", "|---|---|"]
-            out += [f"| {k} | {v:.2f} |" for k, v in sorted(prof["phases"].items())]
-            out += ["", "| operator (self CPU) | s | calls |", "|---|---|---|"]
+        for key, who in (("profile_before", "before: aligned loop"), ("profile", "this commit")):
+            prof = gen.get(key)
+            if not prof:
+                continue
+            out += [f"#### Where one rollout's time goes ({who}, {prof['case']}, torch profiler, "
+                    f"{prof['wall_s']:.1f} s wall under the profiler)", ""]
+            if prof["phases"]:
+                out += ["| phase (record_function) | s |", "|---|---|"]
+                out += [f"| {k} | {v:.2f} |" for k, v in sorted(prof["phases"].items())]
+                out.append("")
+            out += ["| operator (self CPU) | s | calls |", "|---|---|---|"]
             out += [f"| {k} | {s:.2f} | {c} |" for k, s, c in prof["top_ops"]]
             out.append("")
-    if ppo:
-        out += ["### PPO step: ours vs TRL PPOTrainer", "", ppo_section(ppo)]
+    if args.note:
+        out += [args.note, ""]
+    out += ["### PPO step: ours vs TRL PPOTrainer", ""]
+    out += [ppo_section(ppo)] if ppo else ["Not measured in this run (see the note above)."]
     return "\n".join(out).rstrip() + "\n"
 
 

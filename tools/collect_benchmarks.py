@@ -3,7 +3,7 @@ command that produced it) into docs/benchmarks.md."""
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-ORDER = ["kernels", "algo_checks", "data", "models", "convert"]  # the rest follow alphabetically
+ORDER = ["kernels", "algo_checks", "data", "models", "peer", "convert"]  # the rest follow alphabetically
 
 
 def main() -> None:

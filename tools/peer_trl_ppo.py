@@ -5,7 +5,8 @@ newer transformers than this project pins), never imported by the project.
                                                    --threads 2 --out result.json
 
 Policy, reference, value and reward models are the same HF checkpoint (value/reward: a fresh 1-output score head),
-fp32 on CPU, one PPO epoch, one mini-batch = the whole batch. Phases are timed by wrapping TRL's module-level
+fp32 on CPU, one PPO epoch, one mini-batch = the whole batch, no gradient checkpointing (TRL's default would also
+switch generation's KV cache off). Phases are timed by wrapping TRL's module-level
 ``batch_generation`` (generation), ``forward`` without grad and ``get_reward`` (forward-only passes: reference,
 value, reward); the update is the rest of the step. Step times come from ``on_step_end``.
 """
@@ -91,7 +92,10 @@ def main(argv=None) -> int:
                     total_episodes=n * args.steps, local_rollout_forward_batch_size=n, temperature=1.0,
                     stop_token="eos", missing_eos_penalty=None, num_sample_generations=0, use_cpu=True,
                     report_to=[], save_strategy="no", logging_steps=1, learning_rate=1e-6, seed=1,
-                    dataloader_num_workers=0, bf16=False, fp16=False)
+                    dataloader_num_workers=0, bf16=False, fp16=False,
+                    # TRL's default (True) turns the KV cache off in generation (every token recomputes the whole
+                    # sequence); megatron_ppo recomputes no activations either, so both run without it.
+                    gradient_checkpointing=False)
     trainer = PPOTrainer(args=cfg, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=data, callbacks=[StepTimes()])
     start = time.perf_counter()
