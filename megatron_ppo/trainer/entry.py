@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     preemption = Preemption().install()  # SIGTERM/SIGUSR1: finish the step, save, exit 0; SIGINT: exit 130 now
     try:
         parts = build_components(cfg, resuming=resume is not None)
+        preemption.install()  # again: ray.init replaced the SIGTERM handler with Ray's (which aborts)
         parts.tracker.total_steps = parts.total_steps  # the console line's "step i/N" and ETA
         trainer = PPOTrainer(cfg, parts)
         if resume:

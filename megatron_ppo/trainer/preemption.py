@@ -19,8 +19,11 @@ class Preemption:
         self._previous: dict = {}
 
     def install(self) -> "Preemption":
+        """Set the handlers; call again after ray.init, which installs Ray's C++ failure-signal handler for SIGTERM
+        over ours (it would abort the driver). The handlers to restore stay the first call's."""
         for sig in GRACEFUL + (signal.SIGINT,):
-            self._previous[sig] = signal.signal(sig, self._handle)
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
         return self
 
     def uninstall(self) -> None:

@@ -38,11 +38,9 @@ def _alive(procs: list[psutil.Process]) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [
     (signal.SIGINT, 130),
-    # issue 13: SIGTERM finishes the step, saves, exits 0. Measured on the Ray launcher: the driver aborts instead
-    # (rc -6, "*** SIGTERM received ***" from Ray's C++ failure-signal handler, which ray.init installs over the
-    # Python handler that trainer/preemption.py set before the ranks started). Strict: passes -> remove the mark.
-    pytest.param(signal.SIGTERM, 0, marks=pytest.mark.xfail(strict=True, reason="Ray's failure-signal handler "
-                                                            "replaces the driver's SIGTERM handler")),
+    # issue 13: SIGTERM finishes the step, saves, exits 0. On the Ray launcher this needs the driver to re-install
+    # its handler after ray.init (Ray's C++ failure-signal handler replaces it and aborts the driver: rc -6).
+    pytest.param(signal.SIGTERM, 0),
 ])
 def test_train_signal_is_short_and_leaves_no_process(tmp_path, sig, code):
     proc = subprocess.Popen([sys.executable, "-m", "megatron_ppo.cli", "train", "trainer.total_training_steps=40",
