@@ -16,6 +16,7 @@ def _train(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
         f"data.preprocess.output_dir={tmp / 'data'}", f"data.train_files=[{tmp / 'data' / 'train.parquet'}]",
         f"data.val_files=[{tmp / 'data' / 'test.parquet'}]", "data.train_batch_size=4", "data.train_max_samples=8",
         "data.max_response_length=4", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+        "actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2", "trainer.val_before_train=false",
         "trainer.test_freq=-1", "trainer.logger=[jsonl]", f"trainer.log_dir={tmp / 'logs'}", *extra]
     return subprocess.run([sys.executable, "-m", "megatron_ppo.cli", "train", *overrides], cwd=REPO,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=900)

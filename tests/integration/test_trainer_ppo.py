@@ -36,6 +36,7 @@ def _overrides(data_dir: Path, tmp: Path, **extra) -> list[str]:
         # the settings these tests were written for (tiny_cpu.yaml now has the learnable default's)
         "trainer.val_before_train": "false", "actor.ppo_epochs": 1, "critic.ppo_epochs": 1,
         "actor.optim.lr": 1e-4, "critic.optim.lr": 1e-4, "reward.format_score": 0.0,
+        "data.preprocess.tokenizer_vocab_size": 2048,  # one padded vocabulary at TP1 and TP2 (test_ppo_ray)
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
