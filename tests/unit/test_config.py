@@ -60,7 +60,7 @@ def test_save_config_then_load_config_by_path(tmp_path):
 def test_exponent_floats_without_a_dot_are_floats():
     # YAML 1.1 (PyYAML's default) reads "1e-6" as a string; our loader reads it as the number users mean.
     cfg = config_from_dict(yaml_load((CONFIG_DIR / "tiny_cpu.yaml").read_text()
-                                     .replace("lr: 1.0e-4\n    clip_grad", "lr: 1e-6\n    clip_grad")))
+                                     .replace("lr: 1.0e-2\n    clip_grad", "lr: 1e-6\n    clip_grad")))
     assert cfg.actor.optim.lr == 1e-6 and isinstance(cfg.actor.optim.lr, float)
 
 
@@ -166,7 +166,7 @@ def test_tiny_cpu_is_tiny_and_points_at_the_real_gsm8k_files():
     arch = cfg.actor.model.arch
     assert (arch.num_layers, arch.hidden_size) == (2, 64)
     assert cfg.cluster.device == "cpu" and cfg.cluster.world_size <= 2 and cfg.actor.model.dtype == "float32"
-    assert cfg.trainer.total_training_steps is not None and cfg.trainer.total_training_steps <= 8
+    assert cfg.trainer.total_training_steps is not None and cfg.trainer.total_training_steps <= 40  # minutes on 2 cores
     from megatron_ppo.data.gsm8k import default_gsm8k_dir
 
     assert cfg.data.preprocess.input_dir is None  # the data area's default location: the real files
@@ -190,7 +190,7 @@ def test_tiny_cpu_reward_and_data_sections_feed_the_data_area():
         overlong_policy_from_verl(False, truncation)
     scorer = RewardScorer.from_config(cfg.reward, cfg.data.max_response_length)
     out = scorer(["so the answer is #### 72", "#### 71"], ["openai/gsm8k"] * 2, ["72", "72"])
-    assert [float(x) for x in out.scores] == [1.0, 0.0]
+    assert [float(x) for x in out.scores] == [1.0, cfg.reward.format_score]  # a wrong number earns the format score
 
 
 # ---------------------------------------------------------------------------------------------- schema parity
@@ -352,21 +352,21 @@ RULES = [
     ("clip_ratio_low_range", "tiny_cpu", ["actor.clip_ratio_low=0"], ["actor.clip_ratio_low: must be in (0, 1)"]),
     ("clip_ratio_high_positive", "tiny_cpu", ["actor.clip_ratio_high=-0.1"], ["actor.clip_ratio_high: must be > 0"]),
     ("mini_batch_divides_train_batch", "tiny_cpu", ["actor.ppo_mini_batch_size=3"],
-     ["actor.ppo_mini_batch_size: must divide data.train_batch_size (8), got 3"]),
+     ["actor.ppo_mini_batch_size: must divide data.train_batch_size (16), got 3"]),
     ("critic_mini_batch_divides_train_batch", "tiny_cpu", ["critic.ppo_mini_batch_size=5"],
-     ["critic.ppo_mini_batch_size: must divide data.train_batch_size (8), got 5"]),
+     ["critic.ppo_mini_batch_size: must divide data.train_batch_size (16), got 5"]),
     ("mini_batch_positive", "tiny_cpu", ["actor.ppo_mini_batch_size=0"], ["actor.ppo_mini_batch_size: must be > 0"]),
     ("micro_batch_required", "tiny_cpu", ["actor.ppo_micro_batch_size_per_gpu=null"],
      ["actor.ppo_micro_batch_size_per_gpu: required unless use_dynamic_bsz"]),
     ("micro_batch_divides_mini_batch", "tiny_cpu", ["actor.ppo_micro_batch_size_per_gpu=3"],
-     ["actor.ppo_micro_batch_size_per_gpu: must divide the per-rank mini-batch (4 sequences), got 3"]),
+     ["actor.ppo_micro_batch_size_per_gpu: must divide the per-rank mini-batch (8 sequences), got 3"]),
     ("micro_batch_zero", "tiny_cpu", ["critic.ppo_micro_batch_size_per_gpu=0"],
      ["critic.ppo_micro_batch_size_per_gpu: must be > 0, got 0"]),
     ("mini_batch_splits_over_dp", "tiny_cpu", ["cluster.n_gpus_per_node=16"],
-     ["actor.ppo_mini_batch_size: 4 prompts x rollout.n 1 = 4 sequences must split evenly over 8"]),
+     ["critic.ppo_mini_batch_size: 8 prompts x rollout.n 1 = 8 sequences must split evenly over 16"]),
     ("dynamic_token_budget_fits_a_sequence", "tiny_cpu",
      ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=100"],
-     ["actor.ppo_max_token_len_per_gpu: must hold one full sequence", "(288)", "got 100"]),
+     ["actor.ppo_max_token_len_per_gpu: must hold one full sequence", "(136)", "got 100"]),
     ("ref_micro_batch_required", "tiny_cpu", ["ref.log_prob_micro_batch_size_per_gpu=null"],
      ["ref.log_prob_micro_batch_size_per_gpu: required unless"]),
     ("rollout_micro_batch_required", "tiny_cpu", ["rollout.log_prob_micro_batch_size_per_gpu=null"],
@@ -375,7 +375,7 @@ RULES = [
     ("negative_lr", "tiny_cpu", ["actor.optim.lr=-1e-6"], ["actor.optim.lr: must be >= 0, got -1e-06"]),
     ("negative_critic_lr", "tiny_cpu", ["critic.optim.lr=-1"], ["critic.optim.lr: must be >= 0"]),
     ("min_lr_above_lr", "tiny_cpu", ["actor.optim.lr_decay_style=cosine", "actor.optim.min_lr=1.0"],
-     ["actor.optim.min_lr: must be <= actor.optim.lr (0.0001), got 1.0"]),
+     ["actor.optim.min_lr: must be <= actor.optim.lr (0.01), got 1.0"]),
     ("min_lr_negative", "tiny_cpu", ["actor.optim.lr_decay_style=cosine", "actor.optim.min_lr=-1e-6"],
      ["actor.optim.min_lr: must be >= 0, got -1e-06"]),
     ("warmup_ratio_range", "tiny_cpu", ["actor.optim.lr_warmup_steps_ratio=1.5"],
@@ -422,7 +422,7 @@ RULES = [
     ("arch_rotary_base_positive", "tiny_cpu", ["actor.model.arch.rotary_base=0"],
      ["actor.model.arch.rotary_base: must be > 0"]),
     ("arch_positions_fit_sequences", "tiny_cpu", ["actor.model.arch.max_position_embeddings=128"],
-     ["actor.model.arch.max_position_embeddings: must be >= data.max_prompt_length + data.max_response_length (288)"]),
+     ["actor.model.arch.max_position_embeddings: must be >= data.max_prompt_length + data.max_response_length (136)"]),
     ("arch_heads_split_over_tp", "tiny_cpu", ["cluster.n_gpus_per_node=4", "cluster.actor.tensor_model_parallel_size=4"],
      ["actor.model.arch.num_query_groups: must be divisible by cluster.actor.tensor_model_parallel_size (4), got 2"]),
     ("arch_layers_split_over_pp", "tiny_cpu", ["cluster.n_gpus_per_node=4", "cluster.actor.pipeline_model_parallel_size=4"],
@@ -523,7 +523,7 @@ RULES = [
     ("save_freq", "tiny_cpu", ["trainer.save_freq=0"], ["trainer.save_freq: must be -1 (only at the end) or >= 1"]),
     ("test_freq", "tiny_cpu", ["trainer.test_freq=-2"], ["trainer.test_freq: must be -1 (off) or >= 1"]),
     ("test_freq_without_val_files", "tiny_cpu", ["data.val_files=[]"],
-     ["trainer.test_freq: validates every 4 steps but data.val_files is empty"]),
+     ["trainer.test_freq: validates every 10 steps but data.val_files is empty"]),
     ("max_consecutive_skips", "tiny_cpu", ["trainer.max_consecutive_skips=0"],
      ["trainer.max_consecutive_skips: must be -1 (never stop) or >= 1, got 0"]),
     ("log_val_generations_negative", "tiny_cpu", ["trainer.log_val_generations=-1"],
@@ -569,7 +569,7 @@ def test_rule_ids_are_unique():
 
 def test_unknown_key_in_a_yaml_file_names_the_file_and_suggests(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text((CONFIG_DIR / "tiny_cpu.yaml").read_text().replace("  ppo_epochs: 1\n  clip_ratio:",
+    path.write_text((CONFIG_DIR / "tiny_cpu.yaml").read_text().replace("  ppo_epochs: 2\n  clip_ratio:",
                                                                        "  ppo_epoch: 1\n  clip_ratio:"))
     with pytest.raises(ConfigError) as info:
         load_config(path)
@@ -616,7 +616,7 @@ def test_val_before_train_without_val_files_is_a_warning_naming_both_keys(caplog
     with caplog.at_level("WARNING", logger="megatron_ppo.config.checks"):
         for name in ("tiny_cpu", "gsm8k_ppo"):
             load_config(name)
-        load_config("tiny_cpu", ["data.val_files=[]", "trainer.test_freq=-1"])  # tiny_cpu: val_before_train false
+        load_config("tiny_cpu", ["data.val_files=[]", "trainer.test_freq=-1", "trainer.val_before_train=false"])
     assert "val_before_train" not in caplog.text
 
 
