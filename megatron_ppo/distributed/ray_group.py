@@ -135,7 +135,8 @@ class RayWorkerGroup(WorkerGroup):
             self.shutdown()
             raise
         self.timings["start_s"] = time.perf_counter() - start
-        logger.info("%s: %s up in %.1f s", role, layout, self.timings["start_s"])
+        logger.info("%s: %s up in %.1f s; rank pids %s", role, layout, self.timings["start_s"],
+                    [info["pid"] for info in self.infos])  # which process is which rank (kill, py-spy)
 
     # ------------------------------------------------------------------------------------------------ calls
 

@@ -249,10 +249,11 @@ def test_kill_9_of_an_actor_rank_ends_the_run_naming_it_with_nothing_left(data_d
         deadline = time.monotonic() + 400
         for line in proc.stdout:  # rank output is prefixed "(actor[tp1 pp0 dp0] pid=N)"
             lines.append(line)
-            m = re.search(r"actor\[tp1 pp0 dp0\] pid=(\d+)", line)
+            m = re.search(r"actor\[tp1 pp0 dp0\] pid=(\d+)", line) or re.search(
+                r"actor: .* up in .* rank pids \[\d+, (\d+)\]", line)  # rank 1's pid, from the start-up line
             if m:
                 victim = int(m.group(1))
-            if line.startswith("step 1:") and victim:
+            if line.startswith("step 1/") and victim:  # the console line: "step 1/N ..."
                 break
             assert time.monotonic() < deadline, "".join(lines[-50:])
         assert victim and psutil.pid_exists(victim), "".join(lines[-50:])
