@@ -16,9 +16,11 @@ def _records(log_dir):
 
 
 def _overrides(tmp_path, *extra):
-    # data paths that fail loudly if the driver got past the log-dir check
-    return [f"trainer.log_dir={tmp_path / 'logs'}", f"data.preprocess.input_dir={tmp_path / 'no_raw'}",
-            f"data.preprocess.output_dir={tmp_path / 'no_data'}", *extra]
+    # the real raw GSM8K (the preflight checks it exists) and an output dir that preparing the data would create:
+    # if the driver got past the log-dir check, no_data/ appears
+    data = tmp_path / "no_data"
+    return [f"trainer.log_dir={tmp_path / 'logs'}", f"data.preprocess.output_dir={data}",
+            f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'test.parquet'}]", *extra]
 
 
 def _first_run(tmp_path, *extra):
