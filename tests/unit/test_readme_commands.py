@@ -43,9 +43,10 @@ def _readme_commands() -> list[tuple[str, list[str], bool]]:
 COMMANDS = _readme_commands()
 
 
-def test_the_readme_has_train_commands_of_both_kinds():
+def test_the_readme_has_train_commands():
+    """The README's runnable train commands are checked below; since checkpointing landed, none needs marking (a
+    marked one must still be refused: test_readme_train_command)."""
     assert sum(not marked for _, _, marked in COMMANDS) >= 3
-    assert sum(marked for _, _, marked in COMMANDS) >= 1
 
 
 @pytest.mark.parametrize("line, argv, marked", COMMANDS, ids=[c[0][:60] for c in COMMANDS])
