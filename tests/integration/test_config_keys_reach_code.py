@@ -27,9 +27,6 @@ ARCH = "{num_layers: 2, hidden_size: 64, ffn_hidden_size: 256, num_attention_hea
 
 # key prefix -> (the switch that the entry point refuses by name, overrides that turn it on)
 BEHIND_A_REFUSED_SWITCH = {
-    "rollout.trajectory_files": ("rollout.mode=offline", ["rollout.mode=offline", "rollout.trajectory_files=[t]"]),
-    "trainer.resume_from_path": ("trainer.resume_mode=resume_path",
-                                 ["trainer.resume_mode=resume_path", "trainer.resume_from_path=c"]),
     **{key: ("reward.reward_model.enable", ["reward.reward_model.enable=true", f"reward.reward_model.model.arch={ARCH}"])
        for key in ("reward.reward_model.model.", "reward.reward_model.micro_batch_size_per_gpu")},
     **{f"cluster.reward.{key}": ("reward.reward_model.enable", [
@@ -41,8 +38,13 @@ BEHIND_A_REFUSED_SWITCH = {
 NO_EFFECT = ("cluster.ref.use_distributed_optimizer", "actor.entropy_from_logits_with_chunking")
 # key -> (file, text of the line that reads it): read on a path the tiny runs do not take (an HF model directory)
 READ_ON_ANOTHER_PATH = {
-    "trainer.default_local_dir": ("megatron_ppo/workers/role.py", "cfg.trainer.default_local_dir"),
     "trainer.overwrite": ("megatron_ppo/trainer/tracking.py", "t.overwrite"),  # read only when records exist
+    # offline runs, resume and checkpoint pruning have their own tests (test_trainer_offline.py,
+    # test_trainer_resume.py); the two runs here neither read trajectories nor save
+    "rollout.trajectory_files": ("megatron_ppo/trainer/components.py", "cfg.rollout.trajectory_files"),
+    "trainer.resume_from_path": ("megatron_ppo/trainer/checkpoint.py", "t.resume_from_path"),
+    "trainer.max_actor_ckpt_to_keep": ("megatron_ppo/trainer/ppo.py", "t.max_actor_ckpt_to_keep"),
+    "trainer.max_critic_ckpt_to_keep": ("megatron_ppo/trainer/ppo.py", "t.max_critic_ckpt_to_keep"),
 }
 
 COMMON = {"trainer.total_training_steps": 1, "trainer.test_freq": 1, "trainer.val_before_train": "true",
