@@ -80,6 +80,7 @@ def test_unknown_error_is_one_line_exit_1_with_log_pointer(tmp_path, monkeypatch
     from megatron_ppo import console
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(console, "_run_log", None)  # no run started in this process (an earlier test's may linger)
     try:
         raise RuntimeError("boom")
     except RuntimeError as exc:

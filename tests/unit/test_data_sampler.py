@@ -56,7 +56,7 @@ def test_bad_state_and_arguments():
         s.load_state_dict({"epoch": 0, "seed": 1})
     with pytest.raises(ValueError, match="position=10 out of range"):
         s.load_state_dict({"epoch": 0, "position": 10, "seed": 1})
-    with pytest.raises(ValueError, match="batch_size=11 > num_rows=10"):
+    with pytest.raises(ValueError, match="data.train_batch_size=11 > the 10 prompts"):
         StatefulSampler(10, 11)
     with pytest.raises(ValueError, match="num_rows=0"):
         StatefulSampler(0, 1)
