@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from megatron_ppo.testing.processes import process_tree
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,14 +39,6 @@ def medium_hf(tmp_path_factory):
     return str(out)
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code, name", [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")])
 def test_convert_interrupted_leaves_nothing(medium_hf, tmp_path, sig, code, name):
@@ -59,7 +53,7 @@ def test_convert_interrupted_leaves_nothing(medium_hf, tmp_path, sig, code, name
             assert time.monotonic() < deadline, "no temp dir appeared"
             time.sleep(0.02)
         time.sleep(0.3)  # inside the write
-        tree = _tree(proc.pid)
+        tree = process_tree(proc.pid)
         os.kill(proc.pid, sig)  # the process only (`kill PID` / a Ctrl-C delivered to it), not its group
         stdout, stderr = proc.communicate(timeout=60)
     finally:

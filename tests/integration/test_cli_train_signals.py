@@ -11,17 +11,11 @@ import time
 from pathlib import Path
 
 import psutil
+
+from megatron_ppo.testing.processes import process_tree
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
 
 
 def _alive(procs: list[psutil.Process]) -> list[str]:
@@ -56,7 +50,7 @@ def test_train_signal_is_short_and_leaves_no_process(tmp_path, sig, code):
             assert time.monotonic() < deadline
         else:
             pytest.fail(f"the run ended before its first step: {proc.wait()} {proc.stderr.read()[-3000:]}")
-        tree = _tree(proc.pid)
+        tree = process_tree(proc.pid)
         assert len(tree) > 1  # Ray's processes and the ranks
         os.kill(proc.pid, sig)
         stdout, stderr = proc.communicate(timeout=300)
