@@ -20,14 +20,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("gen", "reward", "old_log_prob", "adv", "update_critic", "update_actor", "step")
+DISPATCH = "dispatch"  # Ray only: wall time of the group calls minus the ranks' own time in the methods
 ARCHS = {  # SmolLM2-135M's shape (random init)
     "smollm2-135m": "{num_layers: 30, hidden_size: 576, ffn_hidden_size: 1536, num_attention_heads: 9, "
                     "num_query_groups: 3, vocab_size: 49152, max_position_embeddings: 2048, tie_word_embeddings: true}",
 }
 
 
-def overrides(launcher: str, steps: int, out_dir: str, arch: str | None) -> list[str]:
-    over = [f"cluster.launcher={launcher}", "cluster.n_gpus_per_node=1", "cluster.actor.tensor_model_parallel_size=1",
+def overrides(launcher: str, steps: int, out_dir: str, arch: str | None, threads: int) -> list[str]:
+    over = [f"cluster.launcher={launcher}", "cluster.n_gpus_per_node=1", f"cluster.num_cpus_per_rank={threads}", "cluster.actor.tensor_model_parallel_size=1",
             "cluster.ref.tensor_model_parallel_size=1", f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
             "trainer.logger=[jsonl]", f"trainer.log_dir={out_dir}/logs", "trainer.overwrite=true"]
     if arch:
@@ -35,10 +36,16 @@ def overrides(launcher: str, steps: int, out_dir: str, arch: str | None) -> list
     return over
 
 
-def run_one(launcher: str, steps: int, out_dir: str, arch: str | None) -> dict:
-    """In this (fresh) process: build, fit, report per-step timings, start-up time and peak RSS per rank."""
+def run_one(launcher: str, steps: int, out_dir: str, arch: str | None, threads: int) -> dict:
+    """In this (fresh) process: build, fit, report per-step timings, start-up time and peak RSS per rank.
+
+    ``threads`` torch threads compute in both cases: in-process here, on Ray in each rank (a rank's thread count
+    is its bundle's CPUs, cluster.num_cpus_per_rank), so the two runs differ only in where the work runs."""
     import resource
 
+    import torch
+
+    torch.set_num_threads(threads)
     from megatron_ppo.config import load_config
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import PPOTrainer
@@ -46,7 +53,7 @@ def run_one(launcher: str, steps: int, out_dir: str, arch: str | None) -> dict:
     from megatron_ppo.config import to_yaml
     from megatron_ppo.trainer.tracking import claim_log_dir
 
-    cfg = load_config("tiny_cpu", overrides(launcher, steps, out_dir, arch))
+    cfg = load_config("tiny_cpu", overrides(launcher, steps, out_dir, arch, threads))
     claim_log_dir(cfg.trainer, to_yaml(cfg))  # trainer.overwrite=true: a re-run replaces the last one's records
     start = time.perf_counter()
     parts = build_components(cfg)
@@ -54,17 +61,19 @@ def run_one(launcher: str, steps: int, out_dir: str, arch: str | None) -> dict:
         build_s = time.perf_counter() - start
         history = PPOTrainer(cfg, parts).fit(steps)
         rss = {role: group.call_all("peak_rss_mb") for role, group in parts.groups.groups.items()}
+        rank_threads = {role: group.call_all("torch_threads") for role, group in parts.groups.groups.items()}
         params = sum(p.numel() for p in parts.actor.worker.model.parameters()) if launcher == "local" else None
     finally:
         parts.close()
     driver = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"launcher": launcher, "build_s": build_s, "rss_mb": rss, "driver_rss_mb": driver, "params": params,
-            "steps": [{p: m[f"timing/{p}"] for p in PHASES if f"timing/{p}" in m} for m in history]}
+            "threads": rank_threads,
+            "steps": [{p: m[f"timing/{p}"] for p in PHASES + (DISPATCH,) if f"timing/{p}" in m} for m in history]}
 
 
 def mean_after_warmup(steps: list[dict]) -> dict:
     rest = steps[1:] or steps
-    return {p: sum(s.get(p, 0.0) for s in rest) / len(rest) for p in PHASES}
+    return {p: sum(s.get(p, 0.0) for s in rest) / len(rest) for p in PHASES + (DISPATCH,)}
 
 
 def section(results: dict, args, cmd: str) -> str:
@@ -72,7 +81,12 @@ def section(results: dict, args, cmd: str) -> str:
              "Produced by `tools/bench_ppo.py`: configs/tiny_cpu.yaml at TP = PP = DP = 1 per role (actor, critic, "
              "reference), once with `cluster.launcher=local` (LocalWorkerGroup: every role in the driver process) "
              "and once with `cluster.launcher=ray` (one Ray actor per role, colocated on one bundle), each in a fresh "
-             "process; mean of the steps after the first (warm-up). Design: [../trainer.md](../trainer.md).", "",
+             "process; mean of the steps after the first (warm-up). Both compute with the same torch thread count "
+             f"(`--threads {args.threads}`: in-process, and per Ray rank via cluster.num_cpus_per_rank). Two "
+             "measures of what Ray costs: the difference of the two runs (noisy: separate runs on a shared "
+             "machine), and `dispatch`, measured inside the Ray run: each group call's wall time on the driver "
+             "minus its slowest rank's own time in the method, i.e. serialisation + RPC + gather (`timing/dispatch` "
+             "in every Ray run's metrics). Design: [../trainer.md](../trainer.md).", "",
              f"Command: `{cmd}`", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (load average "
              f"{os.getloadavg()[0]:.1f} at the start: the machine may be shared); {time.strftime('%Y-%m-%d')}.", ""]
@@ -85,7 +99,9 @@ def section(results: dict, args, cmd: str) -> str:
         for p in PHASES:
             lines.append(f"| {p} | {lo[p]:.3f} | {ra[p]:.3f} | {ra[p] - lo[p]:+.3f} | "
                          f"{(ra[p] - lo[p]) / ra['step'] * 100:+.1f} % |")
-        lines += ["", f"Start-up (data, tokenizer, models; Ray: cluster + placement + 3 groups): in-process "
+        lines.append(f"| **dispatch** (in the Ray run) | - | {ra[DISPATCH]:.3f} | | "
+                     f"**{ra[DISPATCH] / ra['step'] * 100:.1f} %** |")
+        lines += ["", f"Torch threads per Ray rank: {ray['threads']}.", "", f"Start-up (data, tokenizer, models; Ray: cluster + placement + 3 groups): in-process "
                       f"{local['build_s']:.1f} s, Ray {ray['build_s']:.1f} s.", "",
                   "| peak RSS (MiB) | " + " | ".join(ray["rss_mb"]) + " | driver |",
                   "| --- | " + " | ".join("---:" for _ in ray["rss_mb"]) + " | ---: |",
@@ -101,18 +117,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--arch", choices=sorted(ARCHS), default=None, help="add a row with this model shape")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads in both runs")
     ap.add_argument("--one", nargs=3, metavar=("LAUNCHER", "DIR", "ARCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         launcher, out_dir, arch = args.one
-        print("RESULT " + json.dumps(run_one(launcher, args.steps, out_dir, None if arch == "-" else arch)))
+        print("RESULT " + json.dumps(run_one(launcher, args.steps, out_dir, None if arch == "-" else arch,
+                                             args.threads)))
         return
     results = {}
     for arch in [None] + ([args.arch] if args.arch else []):
         pair = []
         for launcher in ("local", "ray"):
             out_dir = f"outputs/bench_ppo/{arch or 'tiny'}_{launcher}"
-            proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--one", launcher, out_dir,
+            proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--threads",
+                                   str(args.threads), "--one", launcher, out_dir,
                                    arch or "-"], cwd=REPO, capture_output=True, text=True)
             found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not found:

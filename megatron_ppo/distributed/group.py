@@ -49,6 +49,7 @@ def resolve_worker_class(worker_cls):
 class WorkerGroup(ABC):
     role: str
     layout: RankLayout
+    dispatch_s: float = 0.0  # seconds spent moving calls and results, not in the workers (0 in this process)
 
     @abstractmethod
     def call_all(self, method: str, *args, **kwargs) -> list:

@@ -78,9 +78,12 @@ class RankActor:
         self.worker = resolve_worker_class(worker_cls)(**worker_kwargs)
         return {"threads": torch.get_num_threads()}
 
-    def call(self, _mppo_method: str, _mppo_return: bool, *args, **kwargs) -> Any:
+    def call(self, _mppo_method: str, _mppo_return: bool, *args, **kwargs) -> tuple[Any, float]:
+        """The method's result (None where the driver does not keep it) and the seconds the method itself took:
+        the driver's wall time of the call minus this is the dispatch cost (serialisation, RPC, gather)."""
+        start = time.perf_counter()
         result = getattr(self.worker, _mppo_method)(*args, **kwargs)
-        return result if _mppo_return else None
+        return (result if _mppo_return else None), time.perf_counter() - start
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -109,6 +112,7 @@ class RayWorkerGroup(WorkerGroup):
         self.call_timeout_s, self.grace_s, self.kill_timeout_s = call_timeout_s, grace_s, kill_timeout_s
         self.infos: list[dict | None] = [None] * layout.world_size
         self.timings: dict[str, float] = {}
+        self.dispatch_s = 0.0  # summed over calls: wall time minus the slowest rank's time in the method
         self._dead = False
         start = time.perf_counter()
         remote_cls = ray.remote(RankActor)
@@ -141,19 +145,23 @@ class RayWorkerGroup(WorkerGroup):
     # ------------------------------------------------------------------------------------------------ calls
 
     def call_all(self, method: str, *args, **kwargs) -> list:
-        return self._call(method, [args] * self.layout.world_size, kwargs, keep=range(self.layout.world_size))
+        return self._call(method, [args] * self.layout.world_size, kwargs, keep=range(self.layout.world_size),
+                          start=time.perf_counter())
 
     def call_dp(self, method: str, shards: Sequence[Any], *args, **kwargs) -> list:
         import ray
 
+        start = time.perf_counter()
         if len(shards) != self.layout.dp:
             raise ValueError(f"{self.role}: {len(shards)} shards for DP={self.layout.dp}")
         refs = [ray.put(shard) for shard in shards]  # serialised once per replica, not once per TP/PP peer
         per_rank = [(refs[self.layout.coords(r).dp],) + args for r in range(self.layout.world_size)]
-        results = self._call(method, per_rank, kwargs, keep=self.layout.representatives)
+        results = self._call(method, per_rank, kwargs, keep=self.layout.representatives, start=start)
         return [results[r] for r in self.layout.representatives]
 
-    def _call(self, method: str, per_rank_args: list[tuple], kwargs: dict, keep) -> list:
+    def _call(self, method: str, per_rank_args: list[tuple], kwargs: dict, keep, start: float) -> list:
+        """Run ``method`` on every rank; ``dispatch_s`` grows by the call's wall time (from ``start``, before the
+        arguments were serialised) minus the slowest rank's own time in the method."""
         import ray
 
         if self._dead:
@@ -167,7 +175,9 @@ class RayWorkerGroup(WorkerGroup):
                     refs_by_id[id(a)] = a if isinstance(a, ray.ObjectRef) else ray.put(a)
         refs = [actor.call.remote(method, rank in keep, *[refs_by_id[id(a)] for a in per_rank_args[rank]], **kwargs)
                 for rank, actor in enumerate(self.actors)]
-        return self._wait(refs, method, self.call_timeout_s)
+        answers = self._wait(refs, method, self.call_timeout_s)
+        self.dispatch_s += max(0.0, time.perf_counter() - start - max(seconds for _, seconds in answers))
+        return [result for result, _ in answers]
 
     # ------------------------------------------------------------------------------------------------ fail fast
 

@@ -54,6 +54,7 @@ class PPOTrainer:
         while self.step < total_steps:
             self.step += 1
             metrics: dict = {}
+            dispatched = self.dispatch_seconds()
             with timed("step", metrics):
                 with timed("gen", metrics):
                     batch = self.rollout(self.p.train_dataset.collate(self.p.sampler.next_batch()))
@@ -69,6 +70,8 @@ class PPOTrainer:
                 if self.step > self.cfg.trainer.critic_warmup:
                     with timed("update_actor", metrics):
                         self.update_actor(batch, metrics)
+            if self.cfg.cluster.launcher == "ray":
+                metrics["timing/dispatch"] = self.dispatch_seconds() - dispatched
             self.record(batch, metrics)
             if self.p.val_dataset is not None and self.cfg.trainer.test_freq > 0 and (
                     self.step % self.cfg.trainer.test_freq == 0 or self.step == total_steps):
@@ -83,6 +86,11 @@ class PPOTrainer:
                             self.step)
                 break
         return history
+
+    def dispatch_seconds(self) -> float:
+        """Seconds the driver has spent so far moving calls and results to and from Ray ranks (serialisation, RPC,
+        gather: each call's wall time minus its slowest rank's time in the method), over all groups."""
+        return sum(group.dispatch_s for group in self.p.groups.groups.values())
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def trained_roles(self) -> list[str]:

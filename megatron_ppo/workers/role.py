@@ -132,6 +132,10 @@ class RoleWorker(MegatronWorker):
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+    def torch_threads(self) -> int:
+        """The intra-op thread count this rank computes with (set from its bundle's CPUs at start-up)."""
+        return torch.get_num_threads()
+
     # ------------------------------------------------------------------------------------------------ helpers
     def micro_rows(self, batch: RolloutBatch, rows: list[int], size, dynamic: bool, max_tokens: int):
         """``rows`` as micro-batches: a fixed number of rows, or (dynamic) a token budget per micro-batch."""

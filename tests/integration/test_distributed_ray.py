@@ -82,6 +82,9 @@ class ForwardWorker:
         return {"logits": [out[int(cu[i]):int(cu[i + 1])].clone() for i in range(len(rows))],
                 "dp": [parallel.dp_rank()] * len(rows)}
 
+    def nap(self, seconds: float) -> None:
+        time.sleep(seconds)
+
     def spin(self) -> None:
         """All-reduce forever: a step that is always inside a collective."""
         import torch.distributed as dist
@@ -155,6 +158,13 @@ def test_tp2_dp2_forward_equals_local_tp1_and_rows_keep_their_order(ray_cluster,
             start = time.perf_counter()
             group.call_all("where")
             report.append(f"call round trip (call_all, tiny): {time.perf_counter() - start:.3f} s")
+            # dispatch_s counts the time outside the method: a 2 s nap in every rank adds only the round trip
+            before = group.dispatch_s
+            start = time.perf_counter()
+            group.call_all("nap", 2.0)
+            wall, grown = time.perf_counter() - start, group.dispatch_s - before
+            report.append(f"dispatch of a 2 s call: {grown:.3f} s of {wall:.3f} s")
+            assert wall >= 2.0 and 0 < grown < 1.0, (wall, grown)
         finally:
             group.shutdown()
     finally:

@@ -209,6 +209,7 @@ def test_critic_warmup_on_ray_leaves_every_actor_rank_unchanged(ray_session, dat
         critic1 = parts.critic.call_all("checksum")
         assert all(a != b for a, b in zip(critic1, critic0)) and critic1[0] == critic1[1]  # DP replicas agree
         assert "actor/pg_loss" not in metrics and metrics["critic/updates_skipped"] == 0
+        assert 0 < metrics["timing/dispatch"] < metrics["timing/step"]  # serialisation + RPC + gather
     finally:
         parts.close()
 
