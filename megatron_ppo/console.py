@@ -242,24 +242,31 @@ STEP_SUMMARY = (("reward", ("reward/score/mean",)), ("kl", ("actor/ppo_kl", "act
 _step_clock: dict = {}
 
 
-def step_line(step: int, scalars: dict, total_steps: int | None = None) -> str:
-    """'step 3/8  reward 0.125  kl 0.0012  ...  2.1 s/step  ETA 0:00:10' (ETA from the mean step time so far)."""
+def step_parts(step: int, scalars: dict, total_steps: int | None = None) -> dict[str, str]:
+    """The per-step summary as labelled parts: step ('step 3/8'), reward, kl, pg_loss, vf_loss, resp_len, time
+    ('2.10 s/step'), eta ('ETA 0:00:10', from the mean step time so far). Step 0 (validation before training) is
+    one 'step' part: it is not a step, and not part of the step-time clock."""
     now = time.monotonic()
-    if step == 0:  # validation before training: not a step, and not part of the step-time clock
-        return "validation before training  " + "  ".join(
-            f"{k} {v:.4g}" for k, v in sorted(scalars.items()) if k.endswith("/mean") or k.startswith("val"))[:400]
+    if step == 0:
+        return {"step": "validation before training  " + "  ".join(
+            f"{k} {v:.4g}" for k, v in sorted(scalars.items()) if k.endswith("/mean") or k.startswith("val"))[:400]}
     first = _step_clock.setdefault("first", (step, now))
-    parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
+    parts = {"step": f"step {step}/{total_steps}" if total_steps else f"step {step}"}
     for label, keys in STEP_SUMMARY:
         value = next((scalars[k] for k in keys if k in scalars), None)
         if value is not None:
-            parts.append(f"{label} {value:.4g}")
+            parts[label] = f"{label} {value:.4g}"
     step_time = scalars.get("timing/step")
     if step_time is not None:
-        parts.append(f"{step_time:.2f} s/step")
+        parts["time"] = f"{step_time:.2f} s/step"
     if total_steps and step < total_steps:
         done = step - first[0]
         per_step = (now - first[1]) / done if done > 0 else step_time
         if per_step:
-            parts.append(f"ETA {datetime.timedelta(seconds=round(per_step * (total_steps - step)))}")
-    return "  ".join(parts)
+            parts["eta"] = f"ETA {datetime.timedelta(seconds=round(per_step * (total_steps - step)))}"
+    return parts
+
+
+def step_line(step: int, scalars: dict, total_steps: int | None = None) -> str:
+    """'step 3/8  reward 0.125  kl 0.0012  ...  2.1 s/step  ETA 0:00:10' (see step_parts)."""
+    return "  ".join(step_parts(step, scalars, total_steps).values())

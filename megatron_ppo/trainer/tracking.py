@@ -1,5 +1,7 @@
 """Metric sinks: console, jsonl, tensorboard, wandb, swanlab — one `log(metrics, step)` call fans out to all.
 
+The console gets a short line per step and, on a terminal, a progress bar (trainer/progress.py).
+
 With the jsonl logger the log dir also gets PNG curves (trainer/plots.py: DIR/curves.png, DIR/curves/*.png),
 redrawn after every record with validation metrics and at close; GPU utilisation and memory (perf/gpu_util,
 perf/gpu_mem_gib, trainer/run_record.GpuMonitor) join every record when NVML sees a GPU.
@@ -127,6 +129,8 @@ class Tracker:
 
         self.gpu = GpuMonitor()
         self.curves: list[str] = []  # the PNGs written last
+        self.total_steps: int | None = None  # set by the driver: the console's "step i/N", ETA and progress bar
+        self._progress = None
         os.makedirs(log_dir, exist_ok=True)
         self._jsonl = None
         if "jsonl" in loggers:
@@ -154,13 +158,13 @@ class Tracker:
 
     def log(self, metrics: Mapping, step: int) -> dict[str, float]:
         scalars = {key: _as_float(value) for key, value in {**metrics, **self.gpu.sample()}.items()}
-        if "console" in self.loggers:
-            from megatron_ppo import console  # the key metrics and ETA; every metric with --verbose
+        if "console" in self.loggers:  # the key metrics, ETA and (on a terminal) a bar; every metric with --verbose
+            from megatron_ppo import console
+            from megatron_ppo.trainer.progress import StepProgress
 
-            if console.verbose_enabled():
-                print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in sorted(scalars.items())), flush=True)
-            else:
-                print(console.step_line(step, scalars, getattr(self, "total_steps", None)), flush=True)
+            if self._progress is None:
+                self._progress = StepProgress(self.total_steps)
+            self._progress.show(step, scalars, verbose=console.verbose_enabled())
         if self._jsonl is not None:
             record = {key: (value if math.isfinite(value) else str(value)) for key, value in scalars.items()}
             self._jsonl.write(json.dumps({"step": step, **record}) + "\n")
@@ -190,6 +194,9 @@ class Tracker:
         return self.curves
 
     def close(self) -> None:
+        if self._progress is not None:  # first: the bar gives the terminal back before anything else prints
+            self._progress.close()
+            self._progress = None
         if self._jsonl is not None:
             self._jsonl.close()
             if self.plot():
