@@ -5,6 +5,7 @@ A new user meets our messages first, so they must not be buried under Megatron's
   ERROR_EXIT_CODES   usage/config/data errors -> 2; interrupted -> 130 (SIGINT) / 143 (SIGTERM); anything else -> 1
   report_error()     one line on stderr; the traceback goes to the run's log file (and to the screen with --debug)
   handle_signals()   SIGINT/SIGTERM raise `Interrupted` in the main thread, so `finally` blocks remove temp dirs
+  deferred_signals() holds SIGINT/SIGTERM over steps that must all happen or none (moving a set of files in)
   kill_children()    the processes this one started (multiprocessing, tokenizers, ...) are ended, none orphaned
 Imports nothing heavy: it runs before torch or Megatron are loaded.
 """
@@ -17,6 +18,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -174,6 +176,27 @@ def handle_signals() -> dict:
         raise Interrupted(signum)
 
     return {sig: signal.signal(sig, _raise) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+@contextlib.contextmanager
+def deferred_signals():
+    """SIGINT/SIGTERM arriving inside the block are held and delivered when it ends (to whatever handler was there,
+    e.g. handle_signals' Interrupted): for a few steps that must all happen or none, such as moving the files of a
+    set into place. Python-level (the handlers are swapped), since pthread_sigmask would only mask this thread and
+    the kernel would hand the signal to another (pyarrow's, torch's). Outside the main thread: no effect."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])
 
 
 def received() -> int | None:

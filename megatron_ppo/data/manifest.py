@@ -7,6 +7,8 @@ untouched. Then the files are moved in by one `os.replace` each, the manifest fi
 one atomic step, but each moves an already-complete file, and the manifest (rows and sha256 of every file of the
 set) lands before the data: a crash between two renames leaves a manifest that does not match at least one file,
 which `check_against_manifest` reports when the file is read. Files the manifest does not name are not checked.
+SIGINT/SIGTERM during the renames are held until the last one is done (console.deferred_signals), so an
+interrupted preprocess leaves either the old set or the complete new one.
 """
 from __future__ import annotations
 
@@ -53,9 +55,12 @@ def write_set(out_dir: str | Path, tables: dict[str, pa.Table], info: dict | Non
             timespec="seconds"), **(info or {}), "files": files}
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
         _fsync(tmp / MANIFEST_NAME)
-        out_dir.mkdir(exist_ok=True)
-        for name in [MANIFEST_NAME, *tables]:  # the manifest first: see the module docstring
-            os.replace(tmp / name, out_dir / name)
+        from megatron_ppo.console import deferred_signals
+
+        with deferred_signals():  # Ctrl-C / SIGTERM: all renames or none (delivered after the last one)
+            out_dir.mkdir(exist_ok=True)
+            for name in [MANIFEST_NAME, *tables]:  # the manifest first: see the module docstring
+                os.replace(tmp / name, out_dir / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir / MANIFEST_NAME

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from megatron_ppo.data import arithmetic, gsm8k
-from megatron_ppo.data.manifest import sha256_file, write_set
+from megatron_ppo.data.manifest import MANIFEST_NAME, sha256_file, write_set
 from megatron_ppo.data.schema import GSM8K_PROMPT_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -81,9 +81,34 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _written_state(out: str | Path) -> bytes | None:
+    """What marks `out` as a complete set: its manifest (written with the set's files), or None."""
+    try:
+        return (Path(out) / MANIFEST_NAME).read_bytes()
+    except OSError:
+        return None
+
+
+def _interrupted_line(dataset: str, signal_name: str, out: str, before: bytes | None) -> str:
+    """What an interrupted run left: the set in `out` is either complete or as it was (write_set moves it in with
+    signals held, and its temp dir is removed on the way out)."""
+    prog = f"megatron-ppo preprocess {dataset}"
+    if dataset == "tokenizer":  # one directory renamed into the cache at the end
+        return f"{prog}: interrupted by {signal_name}; no partial tokenizer left in {out} (temp dir removed)"
+    if _written_state(out) != before:
+        return (f"{prog}: interrupted by {signal_name} after {out} was complete (its files and {MANIFEST_NAME} are "
+                "one finished set)")
+    state = f"nothing was written; {out} is as it was" if before is not None or Path(out).exists() else \
+        f"nothing was written to {out}"
+    return f"{prog}: interrupted by {signal_name}; {state} (temp dir removed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from megatron_ppo import console
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    before = _written_state(args.out)
     try:
         if args.dataset == "gsm8k":
             counts = preprocess_gsm8k(args.input, args.out, args.splits)
@@ -101,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-ppo preprocess: error: {e}", file=sys.stderr)
         return 2
+    except console.Interrupted as e:  # SIGINT/SIGTERM (cli.main's handlers): temp dir gone, set complete or untouched
+        print(_interrupted_line(args.dataset, str(e), args.out, before), file=sys.stderr, flush=True)
+        return e.exit_code
+    if console.received() is not None:  # the signal's exception was swallowed somewhere (e.g. a logging callback)
+        sig = console.Interrupted(console.received())
+        print(_interrupted_line(args.dataset, str(sig), args.out, before), file=sys.stderr, flush=True)
+        return sig.exit_code
     return 0
 
 
