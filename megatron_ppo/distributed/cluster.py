@@ -5,13 +5,17 @@ local cluster starts in a per-run temp dir (so concurrent runs and test sessions
 without the dashboard (it is ~100 MB we do not use; pass include_dashboard=True for ``ray.util.state``).
 Ray's log de-duplication is off by default: it folds lines that differ only in numbers ("rank 0" ... "rank 3")
 into one, which hides exactly the per-rank output a failing run needs.
+Ray's own start-up chatter is configured away (``ray_quiet_env`` and ``logging_level``, see there): a user should
+see our lines and the ranks' output and errors, not Ray's notes to cluster operators. ``--verbose`` keeps Ray's.
 ``RayCluster.shutdown()`` disconnects; a cluster we started stops with it and its temp dir is removed.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -43,27 +47,83 @@ class RayCluster:
         self.shutdown()
 
 
+def ray_quiet_env(start_local: bool, stdout_is_terminal: bool) -> dict[str, str]:
+    """Environment for ray.init that keeps Ray's notes off the console (set only where the user has not set them).
+
+    - RAY_USAGE_STATS_ENABLED=0: no usage-stats prompt or upload (clusters often cannot reach the internet).
+    - RAY_enable_metrics_collection=0 (started here): no Prometheus metrics, which nothing here reads and whose
+      exporter, without the dashboard agent, logs "Failed to establish connection to the metrics exporter agent".
+    - RAY_COLOR_PREFIX=0 when stdout is not a terminal: no colour codes around "(actor[tp0 pp0 dp0] pid=N)" in
+      log files (CI, Slurm, `| tee`).
+    Rank output and rank errors with their tracebacks are untouched (log_to_driver stays on).
+    """
+    env = {"RAY_USAGE_STATS_ENABLED": "0"}
+    if start_local:
+        env["RAY_enable_metrics_collection"] = "0"
+    if not stdout_is_terminal:
+        env["RAY_COLOR_PREFIX"] = "0"
+    return env
+
+
+# Ray's warning on every local start, "Token authentication is enabled for this Ray cluster. Set
+# RAY_AUTH_MODE=disabled to opt out ...": token auth is Ray's default and stays on; only the note is dropped, by
+# that module's logger level while ray.init runs. (Setting RAY_AUTH_MODE=token instead would also silence it, but a
+# `ray` imported before the variable is set keeps its cached "disabled" mode and then cannot reach its own GCS.)
+_AUTH_NOTE_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextlib.contextmanager
+def _quiet_auth_note(enabled: bool):
+    log = logging.getLogger(_AUTH_NOTE_LOGGER)
+    previous = log.level
+    if enabled:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(previous)
+
+
+def _ray_logging_level() -> int:
+    """Ray's driver logger: WARNING (no "Started a local Ray instance."), INFO with --verbose."""
+    from megatron_ppo import console
+
+    return logging.INFO if console.verbose_enabled() else logging.WARNING
+
+
+def _stdout_is_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def connect_or_start(address: str | None = None, num_cpus: float | None = None, num_gpus: float | None = None, *,
                      include_dashboard: bool = False, object_store_memory: int | None = None,
                      log_to_driver: bool = True, dedup_logs: bool = False) -> RayCluster:
     """ray.init against ``address`` / ``$RAY_ADDRESS``, else a fresh local cluster with ``num_cpus`` CPUs."""
     _set_log_dedup(dedup_logs)
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    start_local = not (address and address != "local")
+    for key, value in ray_quiet_env(start_local, _stdout_is_terminal()).items():
+        os.environ.setdefault(key, value)
     import ray
 
     if ray.is_initialized():
         raise RuntimeError("connect_or_start: Ray is already initialised in this process; shut it down first")
-    address = address or os.environ.get("RAY_ADDRESS") or None
     start = time.perf_counter()
-    if address and address != "local":
+    if not start_local:
         if num_cpus is not None or num_gpus is not None:
             logger.warning("connect_or_start: num_cpus/num_gpus=%s/%s ignored: connecting to the existing cluster "
                            "at %s, whose resources are its own", num_cpus, num_gpus, address)
-        ctx = ray.init(address=address, log_to_driver=log_to_driver)
+        ctx = ray.init(address=address, log_to_driver=log_to_driver, logging_level=_ray_logging_level())
         return RayCluster(ctx.address_info["gcs_address"], False, None, time.perf_counter() - start)
     temp_dir = tempfile.mkdtemp(prefix="ray-mppo-")
     try:
-        ctx = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=include_dashboard,
-                       object_store_memory=object_store_memory, log_to_driver=log_to_driver, _temp_dir=temp_dir)
+        with _quiet_auth_note(_ray_logging_level() > logging.INFO):
+            ctx = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=include_dashboard,
+                           object_store_memory=object_store_memory, log_to_driver=log_to_driver,
+                           _temp_dir=temp_dir, logging_level=_ray_logging_level())
     except BaseException:
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
@@ -72,8 +132,6 @@ def connect_or_start(address: str | None = None, num_cpus: float | None = None, 
 
 def _set_log_dedup(enabled: bool) -> None:
     """Ray reads RAY_DEDUP_LOGS once, when ``ray`` is imported; if it already is, set the flag it read."""
-    import sys
-
     os.environ["RAY_DEDUP_LOGS"] = "1" if enabled else "0"
     ray_logging = sys.modules.get("ray._private.ray_logging")
     if ray_logging is not None:
