@@ -226,3 +226,59 @@ def test_offline_refuses_more_than_one_response_per_row(data_dir, tmp_path):
     cfg = load_config("tiny_cpu", _offline(data_dir, tmp_path, tmp_path / "t.parquet", **{"rollout.n": 2}))
     with pytest.raises(ValueError, match="rollout.n=2: offline"):
         build_components(cfg)
+
+
+@pytest.mark.slow
+def test_sequence_level_is_weights_and_metrics_equal_a_hand_computation(dump, data_dir, tmp_path):
+    """rollout_is=sequence on a crafted shift: row i's behaviour log-probs are the current policy's minus t_i / n_i
+    on each of its n_i tokens, so its log-ratio sums to t_i and its weight is min(exp(t_i), 2) on every token.
+    t = (0.3, -1.0, 1.5, 0.0): one row inside [0.5, 2], one below 0.5, one truncated, one exactly on-policy."""
+    rc = {"algorithm.rollout_correction.rollout_is": "sequence",
+          "algorithm.rollout_correction.rollout_is_threshold": 2.0}
+    batch, _ = _phases(load_config("tiny_cpu", _offline(data_dir, tmp_path / "a", dump, **rc)))
+    old, n = batch.tensors["old_log_probs"].double(), batch.response_lengths.double()
+    assert torch.all(n > 0) and batch.size == 4
+    totals = torch.tensor([0.3, -1.0, 1.5, 0.0], dtype=torch.float64)
+    d = (totals / n).unsqueeze(1)  # per-token log-ratio of each row
+    table = pq.read_table(dump)
+    behaviour = [(old[i, : int(k)] - d[i]).tolist() for i, k in enumerate(n)]
+    table = table.set_column(table.schema.names.index("rollout_log_probs"), "rollout_log_probs",
+                             pa.array(behaviour, pa.list_(pa.float32())))
+    pq.write_table(table, tmp_path / "shifted.parquet")
+    batch2, m = _phases(load_config("tiny_cpu", _offline(data_dir, tmp_path / "b", tmp_path / "shifted.parquet", **rc)))
+    mask = batch2.response_mask.bool()
+
+    # by hand, from t and n only
+    seq_w = [min(math.exp(t), 2.0) for t in totals.tolist()]
+    lens = [int(k) for k in n.tolist()]
+    tok_w = np.repeat(seq_w, lens)  # every token of a row carries the row's weight
+    tok_d = np.repeat((totals / n).tolist(), lens)
+    expected = torch.tensor(seq_w).unsqueeze(1) * mask
+    assert torch.allclose(batch2.tensors["rollout_is_weights"].double(), expected.double(), atol=1e-4)
+    hand = {
+        "rollout_is_mean": tok_w.mean(),
+        "rollout_is_max": math.exp(1.5),  # the largest raw sequence ratio, before truncation (as verl)
+        "rollout_is_min": math.exp(-1.0),
+        "rollout_is_ratio_fraction_high": 1 / 4,  # sequences with exp(t) > 2
+        "rollout_is_ratio_fraction_low": 1 / 4,  # sequences with exp(t) < 1 / 2
+        "rollout_is_std": tok_w.std(),
+        "rollout_is_eff_sample_size": 1.0 / np.mean((tok_w / tok_w.mean()) ** 2),
+        "rollout_is_seq_mean": np.mean(seq_w),
+        "rollout_is_seq_std": np.std(seq_w, ddof=1),
+        "rollout_is_seq_max": max(seq_w),
+        "rollout_is_seq_min": min(seq_w),
+        "rollout_is_seq_max_deviation": max(abs(w - 1) for w in seq_w),
+        "rollout_is_seq_fraction_high": 1 / 4,
+        "rollout_is_seq_fraction_low": 1 / 4,
+        "kl": float(-(tok_d.mean())),  # KL(rollout || train), k1 = mean of -log_ratio over tokens
+        "k3_kl": float(np.mean(np.exp(tok_d) - tok_d - 1)),
+        "log_ppl_diff": float(np.mean(-(totals / n).numpy())),  # per row: rollout mean log-prob - training's
+        "log_ppl_abs_diff": float(np.mean(np.abs((totals / n).numpy()))),
+        "ppl_ratio": float(np.mean(np.exp(-(totals / n).numpy()))),
+        "chi2_token": float(np.mean(np.exp(2 * tok_d)) - 1),
+        "chi2_seq": float(np.mean(np.exp(2 * totals.numpy())) - 1),
+        "training_log_ppl": float(np.mean([-old[i, :k].mean().item() for i, k in enumerate(lens)])),
+    }
+    for key, value in hand.items():
+        assert m[f"rollout_corr/{key}"] == pytest.approx(value, abs=2e-4), key
+    assert "rollout_corr/rollout_rs_masked_fraction" not in m  # no rejection configured
