@@ -5,7 +5,9 @@
 #   MODEL_PATH=/path/to/Meta-Llama-3-70B-Instruct sbatch slurm/ppo_70b.sh     (real weights instead of the shape)
 # Ray head on the first node, a worker per other node; the driver runs in this batch step. A dead node's Ray
 # process ends the job within seconds naming the node. Preemption: Slurm sends USR1 10 minutes before the end,
-# the driver checkpoints and exits, the job requeues itself and resumes (trainer.resume_mode=auto).
+# the driver checkpoints and exits, the job requeues itself and resumes (trainer.resume_mode=auto) from its run
+# dir, MPPO_RUN_DIR (default outputs/slurm/mppo-70b-<job id>: the requeued run has the same job id; set it to an
+# earlier job's dir to continue that run in a new job).
 #SBATCH --job-name=mppo-70b
 #SBATCH --nodes=16
 #SBATCH --ntasks-per-node=1
@@ -36,4 +38,4 @@ megatron-ppo plan --config "${CONFIG}" --gpus "$((SLURM_JOB_NUM_NODES * ${SLURM_
 
 mppo_ray_up
 mppo_run_driver megatron-ppo train --config "${CONFIG}" trainer.resume_mode=auto \
-  "cluster.nnodes=${SLURM_JOB_NUM_NODES}" "${model[@]}" "$@"
+  "cluster.nnodes=${SLURM_JOB_NUM_NODES}" "${MPPO_RUN_ARGS[@]}" "${model[@]}" "$@"

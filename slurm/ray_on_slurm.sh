@@ -11,14 +11,21 @@
 #   mppo_run_driver CMD...      runs the driver and watches every Ray step: if the driver ends, its exit code is
 #                               the job's; if a node's Ray process or srun step dies first, the job says which
 #                               node and exits non-zero at once (the driver is stopped). SIGUSR1 (preemption
-#                               warning, `#SBATCH --signal=B:USR1@...`) is forwarded to the driver, which
-#                               checkpoints and exits; the job is then requeued (`#SBATCH --requeue`) and the
-#                               next run resumes with trainer.resume_mode=auto.
+#                               warning, `#SBATCH --signal=B:USR1@...`: B: so that only this shell gets it, never
+#                               the Ray ranks, which die on signals) is forwarded to the driver, which finishes
+#                               its step, checkpoints and exits 0; teardown then requeues the job
+#                               (`scontrol requeue`, needs `#SBATCH --requeue`) and the next run of the same job
+#                               id resumes from that checkpoint (trainer.resume_mode=auto, MPPO_RUN_DIR).
 #   teardown                    trap EXIT: driver, srun steps and any process of this job's Ray temp dir are
-#                               stopped on every node; nothing is left running.
-# Settings (environment): MPPO_VENV (default: $SLURM_SUBMIT_DIR/.venv), MPPO_RAY_PORT (default: 6379 + job id
-# mod 1000), MPPO_RAY_JOIN_TIMEOUT (default 300 s), MPPO_CKPT_GRACE (default 240 s: how long the driver may take
-# to checkpoint after USR1), MPPO_GPUS_PER_NODE, MPPO_CPUS_PER_NODE (defaults from Slurm).
+#                               stopped on every node, nothing is left running; then the requeue, if preempted.
+# MPPO_RUN_ARGS (set by mppo_setup_env): trainer.log_dir / trainer.default_local_dir in MPPO_RUN_DIR, a directory
+# keyed by the job id, so the requeued run (same job id) finds the checkpoint and appends to the same metrics;
+# put it before the user's overrides, which win.
+# Settings (environment): MPPO_VENV (default: $SLURM_SUBMIT_DIR/.venv), MPPO_RUN_DIR (default:
+# $MPPO_RUN_ROOT/<job name>-<job id>, MPPO_RUN_ROOT default outputs/slurm; set MPPO_RUN_DIR to continue an
+# earlier job's run in a new job), MPPO_RAY_PORT (default: 6379 + job id mod 1000), MPPO_RAY_JOIN_TIMEOUT
+# (default 300 s), MPPO_CKPT_GRACE (default 240 s: how long the driver may take to checkpoint after USR1),
+# MPPO_GPUS_PER_NODE, MPPO_CPUS_PER_NODE (defaults from Slurm).
 
 set -euo pipefail
 
@@ -26,7 +33,8 @@ MPPO_LOG_PREFIX="[ray-on-slurm ${SLURM_JOB_ID:-?}]"
 MPPO_RAY_STEPS=()                 # pids of the srun steps that hold `ray start --block`
 declare -A MPPO_STEP_NODE=()      # pid -> node
 MPPO_DRIVER_PID=""
-MPPO_PREEMPTED=0
+MPPO_PREEMPTED=0                  # USR1 arrived
+MPPO_REQUEUE=0                    # teardown requeues the job (after a preemption)
 
 mppo_log() { echo "${MPPO_LOG_PREFIX} $*" >&2; }
 mppo_die() { mppo_log "ERROR: $*"; exit 1; }
@@ -45,12 +53,16 @@ mppo_setup_env() {
   MPPO_RAY_PORT="${MPPO_RAY_PORT:-$((6379 + SLURM_JOB_ID % 1000))}"
   # Short and per job: Ray's unix sockets live under it (108-byte path limit) and a stale one hangs ray.init.
   MPPO_RAY_TMP="/tmp/ray-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"
+  MPPO_RUN_DIR="${MPPO_RUN_DIR:-${MPPO_RUN_ROOT:-outputs/slurm}/${SLURM_JOB_NAME:-job}-${SLURM_JOB_ID}}"
+  # shellcheck disable=SC2034  # used by the job scripts that source this file
+  MPPO_RUN_ARGS=("trainer.log_dir=${MPPO_RUN_DIR}/logs" "trainer.default_local_dir=${MPPO_RUN_DIR}/checkpoints")
   export RAY_DEDUP_LOGS=0 RAY_USAGE_STATS_ENABLED=0
   # Token authentication with a token of this job only (srun passes the environment to every node): without it,
   # Ray >= 2.5x enables tokens whenever ~/.ray/auth_token exists on one side, and the head and the clients
   # disagree ("InvalidAuthToken"); with it, no other job on a shared node can talk to this cluster.
   RAY_AUTH_TOKEN="$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')"
   export RAY_AUTH_MODE=token RAY_AUTH_TOKEN
+  mppo_log "run ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID} (restart count); run dir ${MPPO_RUN_DIR}"
   mppo_log "nodes: ${MPPO_NODES[*]} (head ${MPPO_HEAD}); per node ${MPPO_CPUS} CPUs, ${MPPO_GPUS} GPUs;" \
     "Ray temp dir ${MPPO_RAY_TMP}"
 }
@@ -137,12 +149,13 @@ mppo_on_usr1() {
     mppo_log "SIGUSR1 (preemption warning): asking the driver (pid ${MPPO_DRIVER_PID}) to checkpoint and exit"
     kill -USR1 "${MPPO_DRIVER_PID}" 2>/dev/null || true
   else
-    mppo_log "SIGUSR1 before the driver started: requeueing"
+    mppo_log "SIGUSR1 before the driver started: the job is requeued without running it"
   fi
 }
 
 # Run the driver; return its exit code, or fail naming the node whose Ray step died first.
 mppo_run_driver() {
+  if (( MPPO_PREEMPTED )); then MPPO_REQUEUE=1; return 0; fi
   "$@" &
   MPPO_DRIVER_PID=$!
   local cmd="$*"
@@ -155,13 +168,14 @@ mppo_run_driver() {
     rc=$?
     set -e
     if [[ -z "${done_pid:-}" ]]; then
-      # wait was interrupted by a trapped signal (USR1): keep watching, with a grace period after a preemption
+      # a trapped signal (USR1) interrupted the wait (-p leaves done_pid unset): after a preemption, give the
+      # driver its grace period; otherwise keep watching
       if (( MPPO_PREEMPTED )); then mppo_wait_preempted; return $?; fi
       continue
     fi
     if [[ "${done_pid}" == "${MPPO_DRIVER_PID}" ]]; then
       MPPO_DRIVER_PID=""
-      if (( MPPO_PREEMPTED )); then mppo_requeue; fi
+      if (( MPPO_PREEMPTED )); then MPPO_REQUEUE=1; fi
       mppo_log "driver exited with ${rc}"
       return "${rc}"
     fi
@@ -170,18 +184,29 @@ mppo_run_driver() {
   done
 }
 
+# After USR1: give the driver MPPO_CKPT_GRACE s to save and exit (teardown stops it after that); either way the
+# job is requeued. Returns the driver's exit code (0: it saved).
 mppo_wait_preempted() {
-  local grace="${MPPO_CKPT_GRACE:-240}" waited=0
+  local grace="${MPPO_CKPT_GRACE:-240}" waited=0 rc
+  MPPO_REQUEUE=1
   while kill -0 "${MPPO_DRIVER_PID}" 2>/dev/null && (( waited < grace )); do sleep 1; waited=$((waited + 1)); done
   if kill -0 "${MPPO_DRIVER_PID}" 2>/dev/null; then
-    mppo_log "driver still running ${grace} s after SIGUSR1: stopping it"
+    mppo_log "driver still running ${grace} s after SIGUSR1: stopping it (the next run resumes from the" \
+      "previous checkpoint, if any)"
+    return 1
   fi
-  mppo_requeue
-  return 0
+  set +e
+  wait "${MPPO_DRIVER_PID}"
+  rc=$?
+  set -e
+  MPPO_DRIVER_PID=""
+  mppo_log "driver exited with ${rc} after SIGUSR1"
+  return "${rc}"
 }
 
 mppo_requeue() {
-  mppo_log "requeueing job ${SLURM_JOB_ID}: the next run resumes from the last checkpoint (resume_mode=auto)"
+  mppo_log "requeueing job ${SLURM_JOB_ID}: the next run resumes from the last checkpoint in ${MPPO_RUN_DIR}" \
+    "(resume_mode=auto)"
   scontrol requeue "${SLURM_JOB_ID}" || mppo_log "scontrol requeue failed (was the job submitted with --requeue?)"
 }
 
@@ -212,5 +237,7 @@ teardown() {
     done
   fi
   mppo_log "teardown done (exit ${rc})"
+  # Last: Slurm ends a running job it requeues (SIGTERM, then SIGKILL), so nothing may be left to do here.
+  if (( MPPO_REQUEUE )); then mppo_requeue; fi
   exit "${rc}"
 }

@@ -2,11 +2,15 @@
 memory into one CSV, and plot strong scaling (fixed batch, more ranks) and weak scaling (batch grows with ranks).
 
     .venv/bin/python tools/scaling_sweep.py --out outputs/scaling            # tiny models, local Ray, CPU
-    .venv/bin/python tools/scaling_sweep.py --slurm --ranks 8 16 32 ...       # each point a job of slurm/ppo_tiny.sh
-                                                                              # (CONFIG= picks another config)
+    .venv/bin/python tools/scaling_sweep.py --slurm --ranks 1 2 ...           # each point `sbatch --wait` of
+                                                                              # --script (slurm/ppo_tiny.sh)
 Each point is `megatron-ppo train` with cluster.* overrides (actor, critic and reference DP = ranks, TP = PP = 1
 unless --tp) and trainer.total_training_steps=--steps; the first step (warm-up) is left out of the averages.
-Peak memory: the largest RSS of one rank process (local runs; Slurm jobs report none).
+With --slurm, each point is a job of --script with --config as CONFIG, `--cpus-per-task=<ranks>`, any
+--sbatch-arg (partition, account, ...) and the point's directory as MPPO_RUN_DIR; it needs sbatch on PATH (and
+SLURM_CONF where the cluster is not the default one) and is run from a directory every node sees.
+Peak memory: the largest RSS of one rank process (local runs; Slurm jobs report none: the ranks run on the
+cluster's nodes, not under this process).
 """
 from __future__ import annotations
 
@@ -56,12 +60,12 @@ def _peak_rss(root_pid: int, peak: dict) -> None:
 
 
 def run_point(args, model: str, ranks: int, batch: int, mode: str) -> dict:
-    log_dir = Path(args.out) / f"{mode}_{model}_r{ranks}_b{batch}"
+    log_dir = Path(args.out).resolve() / f"{mode}_{model}_r{ranks}_b{batch}"  # the runs' cwd is the repo
     ov = overrides(model, ranks, args.tp, batch, args.steps, log_dir / "logs")
     start, peak = time.monotonic(), {}
     if args.slurm:
-        cmd = ["sbatch", "--wait", f"--output={log_dir}/job.out", f"--cpus-per-task={ranks}", "slurm/ppo_tiny.sh",
-               *ov]
+        cmd = ["sbatch", "--wait", f"--output={log_dir}/job.out", f"--cpus-per-task={ranks}",
+               f"--export=ALL,CONFIG={args.config},MPPO_RUN_DIR={log_dir}", *args.sbatch_arg, args.script, *ov]
     else:
         cmd = [str(REPO / ".venv/bin/megatron-ppo"), "train", "--config", args.config, *ov,
                f"cluster.num_cpus_per_rank={args.cpus_per_rank}"]
@@ -72,7 +76,9 @@ def run_point(args, model: str, ranks: int, batch: int, mode: str) -> dict:
             _peak_rss(proc.pid, peak)
             time.sleep(0.5)
     if proc.returncode:
-        raise SystemExit(f"scaling_sweep: {' '.join(cmd[:4])} ... failed ({proc.returncode}); see {log_dir}/run.log")
+        job_out = f" and {log_dir}/job.out" if args.slurm else ""
+        raise SystemExit(f"scaling_sweep: {' '.join(cmd[:4])} ... failed ({proc.returncode}); see {log_dir}/run.log"
+                         f"{job_out}")
     recs = [json.loads(x) for x in (log_dir / "logs/metrics.jsonl").read_text().splitlines() if x.strip()]
     recs = [r for r in recs if "timing/step" in r][1:]  # drop the warm-up step
 
@@ -121,7 +127,10 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cpus-per-rank", type=float, default=1.0)
     p.add_argument("--modes", nargs="+", default=["strong", "weak"], choices=["strong", "weak"])
-    p.add_argument("--slurm", action="store_true", help="each point as `sbatch --wait slurm/ppo_tiny.sh`")
+    p.add_argument("--slurm", action="store_true", help="each point as `sbatch --wait SCRIPT`")
+    p.add_argument("--script", default="slurm/ppo_tiny.sh", help="--slurm: the job script (repo-relative)")
+    p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="--slurm: one more sbatch option, e.g. --sbatch-arg=--partition=cpu (repeatable)")
     p.add_argument("--csv", default="docs/scaling.csv")
     p.add_argument("--png", default="docs/scaling.png")
     args = p.parse_args(argv)

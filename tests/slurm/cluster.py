@@ -18,6 +18,29 @@ DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "sinfo", "scontrol", "srun", "sacct")
 
 
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                "DEADLINE", "PREEMPTED", "GONE")
+
+
+def ray_processes(job_id: str) -> list:
+    """Processes of a job's Ray cluster: their command line names its per-job temp dir (/tmp/ray-<job>-<restart>)."""
+    return processes_naming(f"/tmp/ray-{job_id}-")
+
+
+def processes_naming(text: str) -> list:
+    """Live processes with ``text`` in one of their command-line arguments."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(text in part for part in (p.info["cmdline"] or [])):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
 def installed() -> bool:
     return all(shutil.which(d) or Path(f"/usr/sbin/{d}").exists() for d in DAEMONS) and \
         all(shutil.which(c) for c in CLIENTS[:4])
@@ -128,6 +151,30 @@ class SlurmCluster:
         if check and r.returncode:
             raise RuntimeError(f"{' '.join(map(str, cmd))}: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
         return r
+
+    def job_state(self, job_id: str) -> str:
+        """JobState from scontrol, or GONE once the record has aged out (MinJobAge)."""
+        return self.job_fields(job_id).get("JobState", "GONE")
+
+    def job_fields(self, job_id: str) -> dict:
+        """`scontrol show job` as key -> value (first token of each Key=value), {} once the job is gone."""
+        r = self.run("scontrol", "show", "job", job_id, check=False)
+        return dict(tok.split("=", 1) for tok in r.stdout.split() if "=" in tok) if r.returncode == 0 else {}
+
+    def wait_done(self, job_id: str, timeout: float, seen: list | None = None) -> str:
+        """Poll until the job is in a final state (or gone); a requeued job passes through REQUEUED and PENDING
+        again, which are not final. ``seen`` collects each state change, for the caller's assertions."""
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            fields = self.job_fields(job_id)
+            state = fields.get("JobState", "GONE")
+            if seen is not None and (not seen or seen[-1][0] != state):
+                seen.append((state, fields.get("Restarts")))
+            if state in FINAL_STATES:
+                return state
+            time.sleep(0.5)
+        raise AssertionError(f"job {job_id} still {state} after {timeout} s")
 
     def cancel_all(self) -> None:
         subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True)

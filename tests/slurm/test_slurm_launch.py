@@ -8,41 +8,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from cluster import ray_processes as _ray_processes
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def _ray_processes(job_id: str) -> list:
-    """Processes of this job's Ray cluster: their command line names its per-job temp dir."""
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(f"/tmp/ray-{job_id}-" in part for part in (p.info["cmdline"] or [])):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
-def _job_state(cluster, job_id: str) -> str:
-    r = cluster.run("scontrol", "show", "job", job_id, check=False)
-    for tok in r.stdout.split():
-        if tok.startswith("JobState="):
-            return tok.split("=", 1)[1]
-    return "GONE"
-
-
-def _wait_done(cluster, job_id: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = _job_state(cluster, job_id)
-        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-            return state
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} still {state} after {timeout} s")
 
 
 def _exit_code(out_text: str) -> int | None:
@@ -64,7 +34,8 @@ def test_ppo_tiny_runs_end_to_end(slurm_cluster, tmp_path):
     """sbatch --wait slurm/ppo_tiny.sh: Ray head inside the job, the driver against it, metrics written."""
     logs, out = tmp_path / "logs", tmp_path / "job.out"
     start = time.monotonic()
-    r = slurm_cluster.run("sbatch", "--wait", "--parsable", f"--output={out}", "slurm/ppo_tiny.sh",
+    r = slurm_cluster.run("sbatch", "--wait", "--parsable", f"--output={out}",
+                          f"--export=ALL,MPPO_RUN_ROOT={tmp_path}", "slurm/ppo_tiny.sh",
                           "trainer.total_training_steps=2", f"trainer.log_dir={logs}", check=False, timeout=600,
                           cwd=REPO)
     text = out.read_text(errors="replace") if out.exists() else ""
@@ -89,7 +60,7 @@ def test_dead_ray_process_fails_the_job_naming_the_node(slurm_cluster, tmp_path)
     deadline = time.monotonic() + 240
     while not marker.exists():
         assert time.monotonic() < deadline, f"job never got ready:\n{out.read_text(errors='replace')[-3000:]}"
-        assert _job_state(slurm_cluster, job_id) in ("PENDING", "RUNNING", "CONFIGURING"), \
+        assert slurm_cluster.job_state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"), \
             out.read_text(errors="replace")[-3000:]
         time.sleep(0.5)
     raylets = [p for p in _ray_processes(job_id) if "raylet" in " ".join(p.cmdline()[:1])]
@@ -97,7 +68,7 @@ def test_dead_ray_process_fails_the_job_naming_the_node(slurm_cluster, tmp_path)
     killed_at = time.monotonic()
     for p in raylets:
         p.kill()
-    state = _wait_done(slurm_cluster, job_id, timeout=90)
+    state = slurm_cluster.wait_done(job_id, timeout=90)
     elapsed = time.monotonic() - killed_at
     text = out.read_text(errors="replace")
     assert f"node {slurm_cluster.node}: its Ray process" in text, text[-3000:]
