@@ -192,9 +192,11 @@ class CustomRewardConfig:
 
 @dataclass
 class RewardModelConfig:
-    enable: bool = field(False, "score responses with a reward model (value head at the last response token)")
+    enable: bool = field(False, "score responses with a reward model (HF *ForSequenceClassification, num_labels=1; "
+                               "the value at the last response token) instead of the rule / custom function")
     model: ModelConfig = field(ModelConfig, "")
-    micro_batch_size_per_gpu: Optional[int] = field(None, "sequences per forward")
+    micro_batch_size_per_gpu: Optional[int] = field(None, "sequences per forward; null: micro-batches of "
+                                                    "rollout.log_prob_max_token_len_per_gpu tokens")
 
 
 @dataclass

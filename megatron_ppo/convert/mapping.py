@@ -41,6 +41,9 @@ class ConversionError(ValueError):
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+# Reward models (one score per sequence): the backbone plus ``score.weight`` [1, hidden], which becomes the value
+# head (``output_layer.weight`` [1, hidden], replicated over TP) of a critic/reward GPTModel.
+SCORE_ARCHITECTURES = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification")
 
 # Megatron dist-checkpoint keys (without the optional prefix).
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -70,6 +73,12 @@ def hf_layer_prefix(layer: int) -> str:
 HF_EMBED = "model.embed_tokens.weight"
 HF_NORM = "model.norm.weight"
 HF_LM_HEAD = "lm_head.weight"
+HF_SCORE = "score.weight"
+
+
+def has_score_head(arch: ModelArch) -> bool:
+    """True for an HF *ForSequenceClassification reward model (``score.weight``, no LM head)."""
+    return arch.extra.get("hf_head") == "score"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -134,10 +143,20 @@ def arch_from_hf_config(hf_config: Any) -> ModelArch:
         raise ConversionError(f"HF config: model_type {model_type!r} is not supported "
                               f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     archs = d.get("architectures") or []
-    bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES + SCORE_ARCHITECTURES]
     if bad:
         raise ConversionError(f"HF config: architectures {bad} are not supported "
-                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES + SCORE_ARCHITECTURES)})")
+    score = any(a in SCORE_ARCHITECTURES for a in archs)
+    if score and any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ConversionError(f"HF config: architectures {archs} mix a causal LM and a sequence classifier")
+    extra = {"hf_model_type": model_type}
+    if score:
+        labels = d.get("num_labels") or len(d.get("id2label") or {}) or 2  # transformers' default is 2
+        if labels != 1:
+            raise ConversionError(f"HF config: num_labels={labels}: a reward model has one score per sequence "
+                                  "(num_labels=1)")
+        extra["hf_head"] = "score"
 
     def need(cond: bool, field_name: str, msg: str):
         if not cond:
@@ -177,7 +196,7 @@ def arch_from_hf_config(hf_config: Any) -> ModelArch:
             attention_dropout=float(d.get("attention_dropout", 0.0) or 0.0),
             hidden_dropout=0.0,
             init_method_std=float(d.get("initializer_range", 0.02)),
-            extra={"hf_model_type": model_type},
+            extra=extra,
         )
     except KeyError as e:
         raise ConversionError(f"HF config ({model_type}): missing field {e.args[0]!r}") from e
@@ -283,7 +302,9 @@ def hf_tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.up_proj.weight"] = (f, h)
         shapes[p + "mlp.down_proj.weight"] = (h, f)
     shapes[HF_NORM] = (h,)
-    if not arch.tie_word_embeddings:
+    if has_score_head(arch):
+        shapes[HF_SCORE] = (1, h)
+    elif not arch.tie_word_embeddings:
         shapes[HF_LM_HEAD] = (arch.vocab_size, h)
     return shapes
 
@@ -313,7 +334,9 @@ def conversion_pieces(arch: ModelArch, tp: int) -> list[Piece]:
         ]
         pieces.append(Piece(f"layer_{i:04d}", tuple(maps), i))
     final = [TensorMap(FINAL_NORM, (HF_NORM,), (h,), "copy", None, 1)]
-    if not arch.tie_word_embeddings:
+    if has_score_head(arch):  # the value head: [1, h], the same on every TP rank
+        final.append(TensorMap(OUTPUT_LAYER, (HF_SCORE,), (1, h), "copy", None, 1))
+    elif not arch.tie_word_embeddings:
         final.append(TensorMap(OUTPUT_LAYER, (HF_LM_HEAD,), (vp, h), "vocab", 0, tp))
     pieces.append(Piece("final", tuple(final)))
     return pieces
@@ -428,7 +451,7 @@ def classify_hf_names(arch: ModelArch, names: Iterable[str]) -> dict[str, list[s
             out["expected"].append(n)
         elif DERIVED_HF_BUFFERS.match(n):
             out["derived"].append(n)
-        elif n == HF_LM_HEAD and arch.tie_word_embeddings:
+        elif n == HF_LM_HEAD and arch.tie_word_embeddings and not has_score_head(arch):
             out["tied_duplicate"].append(n)
         else:
             out["unknown"].append(n)

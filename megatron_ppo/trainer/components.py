@@ -20,6 +20,8 @@ from megatron_ppo.data.tokenizer import gsm8k_tokenizer_dir, load_tokenizer
 from megatron_ppo.data.trajectory import TrajectoryWriter
 from megatron_ppo.rewards.batch import RewardScorer
 from megatron_ppo.trainer.groups import RoleGroups, build_groups
+from megatron_ppo.trainer.groups import roles as group_roles
+from megatron_ppo.trainer.hf_import import convert_for_roles
 from megatron_ppo.trainer.run_record import write_run_record
 from megatron_ppo.trainer.tracking import Tracker
 from megatron_ppo.workers.build import model_arch
@@ -54,12 +56,36 @@ class Components:
     def ref(self):
         return self.groups.get("ref")
 
+    @property
+    def reward_model(self):
+        return self.groups.get("reward")
+
     def close(self) -> None:
         """The tracker, then the worker groups, their placement and a Ray cluster started for them."""
         try:
             self.tracker.close()
         finally:
             self.groups.close()
+
+
+def check_reward_model_tokenizer(cfg, tokenizer) -> None:
+    """The reward model reads the actor's token ids as they are (no re-tokenisation): an HF reward model directory
+    that ships a tokenizer must ship the same one (same token -> id map)."""
+    import glob
+    import os
+
+    from megatron_ppo.data.trajectory import tokenizer_fingerprint
+
+    path = cfg.reward.reward_model.model.path
+    if path is None or not glob.glob(os.path.join(path, "tokenizer*.json")):
+        return
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(path)  # (no chat template needed: only the token -> id map is compared)
+    if tokenizer_fingerprint(own) != tokenizer_fingerprint(tokenizer):
+        raise ValueError(f"reward.reward_model.model.path={path}: its tokenizer ({len(own)} tokens) differs from the "
+                         f"actor's ({len(tokenizer)} tokens); the reward model scores the actor's token ids as they "
+                         "are, so it must use the actor's tokenizer (re-tokenising for another one is not supported)")
 
 
 def prepare_data(cfg) -> str | None:
@@ -116,8 +142,10 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
                         cfg.data.val_max_samples) if cfg.data.val_files else None
     total_steps = total_training_steps(cfg, len(train))
     sampler = StatefulSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    for role in ("actor", "critic", "ref"):
+    for role in ("actor", "critic", "ref") + (("reward",) if cfg.reward.reward_model.enable else ()):
         model_arch(cfg, role, vocab)  # an HF model with a smaller vocabulary fails here, before any rank starts
+    if cfg.reward.reward_model.enable:
+        check_reward_model_tokenizer(cfg, tokenizer)
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = None
     if cfg.algorithm.use_kl_in_reward:
@@ -133,6 +161,7 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
                                   temperature=cfg.rollout.temperature, tokenizer=tokenizer)
         dumper = lambda step, batch: writer.append(step, trajectory_rows(batch, tokenizer))  # noqa: E731
     eos = tokenizer.eos_token_id
+    convert_for_roles(cfg, group_roles(cfg))  # HF -> Megatron in this process, once, before any rank starts
     try:  # last: the groups are what needs closing
         groups = build_groups(cfg, vocab, total_steps, worker_classes)
     except BaseException:

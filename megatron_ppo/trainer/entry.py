@@ -27,7 +27,6 @@ def _parser() -> argparse.ArgumentParser:
 def unsupported_settings(cfg) -> list[str]:
     """Settings the driver would otherwise ignore silently: each is refused, by name."""
     checks = {
-        "reward.reward_model.enable": cfg.reward.reward_model.enable,
         # read nowhere else in the driver or the workers (tests/integration/test_config_keys_reach_code.py proves that
         # every other key reaches the code it names)
         "data.reward_fn_key (rewards are chosen by data_source)": cfg.data.reward_fn_key != "data_source",
@@ -35,8 +34,9 @@ def unsupported_settings(cfg) -> list[str]:
         "critic.optim.optimizer=sgd (Adam only)": cfg.critic.optim.optimizer != "adam",
         "actor.entropy_from_logits_chunk_size (log-probs and entropy use models.logprobs.DEFAULT_CHUNK)":
             cfg.actor.entropy_from_logits_chunk_size != 2048,
-        "critic.model.tokenizer_path / ref.model.tokenizer_path (all roles use the actor's tokenizer)": any(
-            m.tokenizer_path not in (None, cfg.actor.model.tokenizer_path) for m in (cfg.critic.model, cfg.ref.model)),
+        "critic.model.tokenizer_path / ref.model.tokenizer_path / reward.reward_model.model.tokenizer_path (all "
+        "roles use the actor's tokenizer)": any(m.tokenizer_path not in (None, cfg.actor.model.tokenizer_path)
+                                                for m in (cfg.critic.model, cfg.ref.model, cfg.reward.reward_model.model)),
         "algorithm.rollout_correction.bypass_mode": cfg.algorithm.rollout_correction.bypass_mode,
         "trainer.log_val_generations > 0": cfg.trainer.log_val_generations > 0,
     }

@@ -1,4 +1,4 @@
-"""The driver's worker groups: one per role (actor, critic, ref), on Ray or in this process, and their teardown.
+"""The driver's worker groups: one per role (actor, critic, ref, reward), on Ray or in this process, and their teardown.
 
 cluster.launcher=ray: the layouts are checked against the cluster (``plan_placement`` -> ``check_fits``) BEFORE
 Ray starts; then ``connect_or_start`` (cluster.ray_address, else $RAY_ADDRESS, else a local cluster sized to the
@@ -18,11 +18,16 @@ log = logging.getLogger(__name__)
 
 WORKER_CLASSES = {"actor": "megatron_ppo.workers.actor:ActorWorker",
                   "critic": "megatron_ppo.workers.critic:CriticWorker",
-                  "ref": "megatron_ppo.workers.ref:RefWorker"}
+                  "ref": "megatron_ppo.workers.ref:RefWorker",
+                  "reward": "megatron_ppo.workers.reward_model:RewardModelWorker"}
+
+
+FROZEN_ROLES = ("ref", "reward")  # no optimizer, no lr schedule, never checkpointed
 
 
 def roles(cfg) -> list[str]:
-    return ["actor"] + (["critic"] if cfg.use_critic else []) + (["ref"] if cfg.use_reference else [])
+    return ["actor"] + (["critic"] if cfg.use_critic else []) + (["ref"] if cfg.use_reference else []) + (
+        ["reward"] if cfg.reward.reward_model.enable else [])
 
 
 def layouts(cfg) -> dict[str, RankLayout]:
@@ -93,7 +98,7 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
                 if layout.world_size != 1:
                     raise ValueError(f"cluster.launcher=local hosts one rank per role; cluster.{role} asks for "
                                      f"{layout}")
-                extra = {"total_steps": total_steps} if role != "ref" else {}
+                extra = {"total_steps": total_steps} if role not in FROZEN_ROLES else {}
                 out.groups[role] = LocalWorkerGroup(role, classes[role], {**kwargs, **extra}, seed=cfg.trainer.seed)
             return out
         placement = plan(cfg)  # refusals happen here, before Ray starts
@@ -112,7 +117,7 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
             out.cluster = connect_or_start(None, num_cpus=total_cpus, num_gpus=total_gpus if total_gpus else None)
         out.placement = create_placement(placement)
         for role, layout in layouts(cfg).items():
-            extra = {"total_steps": total_steps} if role != "ref" else {}
+            extra = {"total_steps": total_steps} if role not in FROZEN_ROLES else {}
             out.groups[role] = RayWorkerGroup(role, layout, placement.roles[role], classes[role], {**kwargs, **extra},
                                               seed=cfg.trainer.seed, collective_timeout_s=cfg.cluster.collective_timeout_s)
             log.info("%s: %s on Ray, up in %.1f s", role, layout, out.groups[role].timings["start_s"])

@@ -6,6 +6,8 @@ so that summing micro-batches, which the schedule does, gives the mini-batch los
 """
 from __future__ import annotations
 
+import torch
+
 from megatron_ppo.algo.advantages import masked_mean
 from megatron_ppo.algo.losses import agg_loss, compute_policy_loss, compute_value_loss, kl_penalty
 from megatron_ppo.models.logprobs import next_token_targets, vocab_parallel_logprobs_entropy
@@ -29,6 +31,16 @@ def logprob_output_fn(vocab_size: int, temperature: float):
 
 def value_output_fn(values, micro):
     return {"values": gather_response(values[..., 0], micro)}
+
+
+def reward_output_fn(values, micro):
+    """A reward model's score per sequence: the value at its last token (its last response token; resp_pos[t] is
+    the position before response token t, so the last one is resp_pos[L - 1] + 1). An empty response scores 0."""
+    lengths = micro["response_mask"].sum(1).long()
+    last = micro["resp_pos"].gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1) + 1
+    last = torch.where(lengths > 0, last, torch.zeros_like(last))  # (an empty response has no last token)
+    scores = values[..., 0].reshape(-1)[last].float()
+    return {"scores": torch.where(lengths > 0, scores, torch.zeros_like(scores))}
 
 
 def actor_loss_fn(actor_cfg, *, vocab_size: int, temperature: float, mini_batch_tokens: int, mini_batch_seqs: int):

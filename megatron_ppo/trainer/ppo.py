@@ -185,15 +185,23 @@ class PPOTrainer:
         return RolloutBatch(prompt_ids, out["responses"], mask, {"rollout_log_probs": out["log_probs"] * mask}, meta)
 
     def score(self, batch: RolloutBatch, metrics: dict) -> None:
-        """Sequence reward (rule / custom function + shaping) placed on each response's last token. Offline rows
-        with a stored `reward` keep it (reward/stored_fraction says how many); the others are scored."""
+        """Sequence reward placed on each response's last token: the reward model's score when
+        reward.reward_model.enable (as verl: it replaces the rule), else the rule / custom function + shaping.
+        Offline rows with a stored `reward` keep it (reward/stored_fraction says how many); the others are scored."""
         lengths = batch.response_lengths
-        ids = [batch.responses[i, : int(lengths[i])].tolist() for i in range(batch.size)]
-        texts = self.p.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        truths = [rm.get("ground_truth") if rm else None for rm in batch.meta["reward_model"]]
-        out = self.p.scorer(texts, batch.meta["data_source"], truths, extra_infos=batch.meta["extra_info"],
-                            response_ids=ids, response_lengths=lengths.tolist())
-        values = [float(v) for v in out.scores]
+        if self.p.reward_model is not None:
+            scores = self.p.reward_model.call_rows("compute_scores", to_payload(batch), row_lengths(batch))["scores"]
+            values = [float(v) for v in scores]
+            out_metrics = {"reward/score/mean": float(scores.mean()), "reward/score/min": float(scores.min()),
+                           "reward/score/max": float(scores.max()), "reward/rm_score/mean": float(scores.mean()),
+                           "reward/rm_score/std": float(scores.std()) if batch.size > 1 else 0.0}
+        else:
+            ids = [batch.responses[i, : int(lengths[i])].tolist() for i in range(batch.size)]
+            texts = self.p.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            truths = [rm.get("ground_truth") if rm else None for rm in batch.meta["reward_model"]]
+            out = self.p.scorer(texts, batch.meta["data_source"], truths, extra_infos=batch.meta["extra_info"],
+                                response_ids=ids, response_lengths=lengths.tolist())
+            values, out_metrics = [float(v) for v in out.scores], out.metrics
         stored = batch.meta.get("stored_reward")
         if stored is not None:
             values = [v if s is None else float(s) for v, s in zip(values, stored)]
@@ -206,7 +214,7 @@ class PPOTrainer:
         scores[torch.arange(batch.size), last] = torch.as_tensor(values, dtype=scores.dtype) * (lengths > 0)
         batch.tensors["token_level_scores"] = scores
         batch.tensors["sequence_scores"] = torch.as_tensor(values, dtype=torch.float32)
-        metrics.update({k: v for k, v in out.metrics.items() if stored is None or not k.startswith("reward/score/")})
+        metrics.update({k: v for k, v in out_metrics.items() if stored is None or not k.startswith("reward/score/")})
 
     def evaluate(self, batch: RolloutBatch, metrics: dict) -> None:
         """Old log-probs (actor), reference log-probs, values (critic) of the responses, forward only."""

@@ -176,13 +176,21 @@ def check_loggers(cfg) -> None:
                              "from trainer.logger")
 
 
+def _roles(cfg) -> list[str]:
+    return ["actor"] + (["critic"] if cfg.use_critic else []) + (["ref"] if cfg.use_reference else []) + (
+        ["reward"] if cfg.reward.reward_model.enable else [])
+
+
+def _model_key(role: str) -> str:
+    return "reward.reward_model.model" if role == "reward" else f"{role}.model"
+
+
 def check_model_paths(cfg) -> None:
-    roles = ["actor"] + (["critic"] if cfg.use_critic else []) + (["ref"] if cfg.use_reference else [])
-    for role in roles:
+    for role in _roles(cfg):
         model = cfg.model_for(role)
         for attr in ("path", "tokenizer_path"):
             value = getattr(model, attr, None)
-            key = f"{role}.model.{attr}"
+            key = f"{_model_key(role)}.{attr}"
             if value is None:
                 continue
             p = Path(value)
@@ -197,12 +205,21 @@ def check_model_paths(cfg) -> None:
                 raise PreflightError(f"{key}={value}: no config.json in it (is it an HF model directory? a Megatron "
                                      "checkpoint is converted with `megatron-ppo convert mcore-to-hf`)")
             try:
-                model_type = json.loads(config.read_text()).get("model_type")
-            except (OSError, ValueError) as exc:
+                hf_config = json.loads(config.read_text())
+                model_type = hf_config.get("model_type")
+            except (OSError, ValueError, AttributeError) as exc:
                 raise PreflightError(f"{key}={value}: config.json is not readable JSON ({exc})") from None
             if model_type not in SUPPORTED_MODEL_TYPES:
                 raise PreflightError(f"{key}={value}: model_type {model_type!r} is not supported (supported: "
                                      f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+            scorer = any(str(a).endswith("ForSequenceClassification") for a in hf_config.get("architectures") or [])
+            if role == "reward" and not scorer:
+                raise PreflightError(f"{key}={value}: architectures {hf_config.get('architectures')} is not a reward "
+                                     "model: give an HF *ForSequenceClassification checkpoint with num_labels=1 (a "
+                                     "causal LM's score head would be random)")
+            if role in ("actor", "ref") and scorer:
+                raise PreflightError(f"{key}={value}: architectures {hf_config.get('architectures')} is a reward "
+                                     "model (no LM head); the actor and reference need a causal LM")
 
 
 def _preprocess_outputs(cfg) -> set[Path]:
@@ -270,7 +287,7 @@ def describe_plan(cfg, checked: dict) -> str:
     c = cfg.cluster
     lines.append(f"cluster: launcher={c.launcher} device={c.device} nnodes={c.nnodes} "
                  f"n_gpus_per_node={c.n_gpus_per_node}")
-    for role in ["actor"] + (["critic"] if cfg.use_critic else []) + (["ref"] if cfg.use_reference else []):
+    for role in _roles(cfg):
         p = getattr(c, role)
         model = cfg.model_for(role)
         source = model.path or ("inline arch" if model.arch is not None else "actor's architecture")

@@ -53,12 +53,9 @@ class RoleWorker(MegatronWorker):
         self.align = parallel.tp_size() if par.sequence_parallel and parallel.tp_size() > 1 else 1
         path = cfg.model_for(self.ROLE).path
         if path is not None:
-            from pathlib import Path
+            from megatron_ppo.trainer.hf_import import hf_import_cache, load_hf_weights
 
-            from megatron_ppo.trainer.hf_import import load_hf_weights
-
-            cache = Path(cfg.trainer.expand(cfg.trainer.default_local_dir)) / "hf_import"
-            load_hf_weights(self.model, self.MODEL_ROLE, path, str(cache))
+            load_hf_weights(self.model, self.MODEL_ROLE, path, hf_import_cache(cfg))
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -25,17 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 ARCH = "{num_layers: 2, hidden_size: 64, ffn_hidden_size: 256, num_attention_heads: 4, num_query_groups: 2, " \
        "max_position_embeddings: 512}"
 
-# key prefix -> (the switch that the entry point refuses by name, overrides that turn it on)
-BEHIND_A_REFUSED_SWITCH = {
-    **{key: ("reward.reward_model.enable", ["reward.reward_model.enable=true", f"reward.reward_model.model.arch={ARCH}"])
-       for key in ("reward.reward_model.model.", "reward.reward_model.micro_batch_size_per_gpu")},
-    **{f"cluster.reward.{key}": ("reward.reward_model.enable", [
-        "reward.reward_model.enable=true", f"reward.reward_model.model.arch={ARCH}"])
-       for key in ("use_distributed_optimizer", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                   "sequence_parallel", "data_parallel_size")},
-}
+# key prefix -> (the switch that the entry point refuses by name, overrides that turn it on); none at present
+BEHIND_A_REFUSED_SWITCH: dict[str, tuple[str, list[str]]] = {}
 # keys that cannot have an effect; docs/config.md lists each with the reason
-NO_EFFECT = ("cluster.ref.use_distributed_optimizer", "actor.entropy_from_logits_with_chunking")
+NO_EFFECT = ("cluster.ref.use_distributed_optimizer", "cluster.reward.use_distributed_optimizer",
+             "actor.entropy_from_logits_with_chunking")
 # key -> (file, text of the line that reads it): read on a path the tiny runs do not take (an HF model directory)
 READ_ON_ANOTHER_PATH = {
     "trainer.overwrite": ("megatron_ppo/trainer/tracking.py", "t.overwrite"),  # read only when records exist
@@ -76,6 +70,13 @@ RUNS = {
              # here, the gae run (in-process) records those
              "cluster.launcher": "ray", "cluster.placement": "split", "cluster.n_gpus_per_node": 2,
              "cluster.actor.data_parallel_size": 1, "cluster.ref.data_parallel_size": 1},
+    # a reward model scores the responses (in-process, so the worker's reads are recorded)
+    "reward_model": {"reward.reward_model.enable": "true", "reward.reward_model.model.arch": ARCH,
+                     "reward.reward_model.micro_batch_size_per_gpu": 2, "algorithm.adv_estimator": "grpo",
+                     "reward.reward_model.model.recompute_granularity": "full",
+                     "reward.reward_model.model.recompute_method": "uniform",
+                     "reward.reward_model.model.recompute_num_layers": 1,
+                     "rollout.n": 2},
 }
 
 
@@ -148,7 +149,7 @@ def _run_main(overrides: list[str], recorder: ReadRecorder, monkeypatch) -> None
         disable_cpu_platform()
 
 
-@pytest.mark.slow  # two tiny `megatron-ppo train` runs: ~25 s on 2 cores
+@pytest.mark.slow  # three tiny `megatron-ppo train` runs: ~35 s on 2 cores
 def test_every_config_key_is_read_by_the_product_or_refused_by_name(data_dir, tmp_path, monkeypatch):
     from megatron_ppo.trainer.entry import unsupported_settings
 
