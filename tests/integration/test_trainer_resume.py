@@ -202,7 +202,10 @@ def _records(tmp: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_sigterm_saves_exits_0_and_a_new_process_resumes_bit_exactly(data_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_preemption_signal_saves_exits_0_and_a_new_process_resumes_bit_exactly(data_dir, tmp_path, sig):
+    """SIGTERM and SIGUSR1 (what Slurm's --signal=USR1 sends before a time limit) during step 2: the step finishes,
+    a checkpoint is written, exit 0; rerunning the command resumes and repeats the uninterrupted run exactly."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ref = subprocess.run(_train_cmd(data_dir, ref_dir, "trainer.total_training_steps=4"), cwd=REPO, env=env,
@@ -214,12 +217,12 @@ def test_sigterm_saves_exits_0_and_a_new_process_resumes_bit_exactly(data_dir, t
     deadline = time.time() + 600
     while len(_records(run_dir)) < 1 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)  # during step 2
+    proc.send_signal(sig)  # during step 2
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     done = len(_records(run_dir))
     assert 1 <= done < 4, "the signal came too late to test anything"
-    assert "SIGTERM" in err and f"stopped by SIGTERM after step {done}" in out
+    assert f"{sig.name}: finishing the current step" in err and f"stopped by {sig.name} after step {done}" in out
     assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(done)
 
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -261,10 +264,19 @@ def _probe_classes():
     return {"actor": type("FullActor", (_FullActor, ActorWorker), {"__module__": __name__})}
 
 
+SAVED_LAYOUTS = {  # 2 Ray ranks: the trained roles split over both by TP or by PP
+    "TP2": {"cluster.actor.tensor_model_parallel_size": 2, "cluster.critic.tensor_model_parallel_size": 2,
+            "cluster.ref.tensor_model_parallel_size": 2},
+    "PP2": {"cluster.actor.pipeline_model_parallel_size": 2, "cluster.critic.pipeline_model_parallel_size": 2,
+            "cluster.ref.pipeline_model_parallel_size": 2},
+}
+
+
 @pytest.mark.slow
-def test_resume_at_another_layout_continues_with_equal_weights(data_dir, tmp_path):
-    """Saved by Ray ranks at actor/critic TP2, resumed in-process at TP1: the weights (and the optimizer state,
-    which the next update uses) reshard; the run continues. RNG streams are not comparable across layouts."""
+@pytest.mark.parametrize("layout", list(SAVED_LAYOUTS))
+def test_resume_at_another_layout_continues_with_equal_weights(data_dir, tmp_path, layout):
+    """Saved by Ray ranks at actor/critic TP2 or PP2, resumed in-process at TP1/PP1: the weights (and the optimizer
+    state, which the next update uses) reshard; the run continues. RNG streams are not comparable across layouts."""
     ray = pytest.importorskip("ray")
     from megatron_ppo.distributed import connect_or_start
     from megatron_ppo.testing.sharding import gather_full_state_dict
@@ -272,14 +284,13 @@ def test_resume_at_another_layout_continues_with_equal_weights(data_dir, tmp_pat
     from megatron_ppo.trainer.ppo import PPOTrainer
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    tp2 = {"cluster.launcher": "ray", "cluster.n_gpus_per_node": 2, "cluster.actor.tensor_model_parallel_size": 2,
-           "cluster.critic.tensor_model_parallel_size": 2, "cluster.ref.tensor_model_parallel_size": 2,
-           "trainer.save_freq": 2}
-    cfg = load_config("tiny_cpu", _overrides(data_dir, tmp_path, **tp2))
+    two = {"cluster.launcher": "ray", "cluster.n_gpus_per_node": 2, **SAVED_LAYOUTS[layout], "trainer.save_freq": 2}
+    cfg = load_config("tiny_cpu", _overrides(data_dir, tmp_path, **two))
     cluster = connect_or_start("local", num_cpus=4)
     try:
         parts = build_components(cfg, worker_classes=_probe_classes())
         try:
+            assert parts.actor.layout.tp * parts.actor.layout.pp == 2 and parts.actor.layout.dp == 1
             trainer = PPOTrainer(cfg, parts)
             trainer.fit(2)
             saved = parts.actor.call_all("full_state_dict")
@@ -300,23 +311,32 @@ def test_resume_at_another_layout_continues_with_equal_weights(data_dir, tmp_pat
     assert trainer.step == 3 and len(history) == 1
 
 
+RAY_LAYOUTS = {  # (actor, critic) on 2 Ray ranks: DP2 (per-rank RNG states), PP2 (one layer a stage; ref too)
+    "DP2": ({"actor.ppo_micro_batch_size_per_gpu": 1, "critic.ppo_micro_batch_size_per_gpu": 1}, (1, 1, 2)),
+    "PP2": ({"cluster.actor.pipeline_model_parallel_size": 2, "cluster.critic.pipeline_model_parallel_size": 2,
+             "cluster.ref.pipeline_model_parallel_size": 2}, (1, 2, 1)),
+}
+
+
 @pytest.mark.slow
-def test_resume_on_ray_at_the_same_layout_is_bit_exact(data_dir, tmp_path):
-    """Ray ranks (actor and critic DP2, per-rank RNG states): 4 straight steps vs 2 + a resume in new groups."""
+@pytest.mark.parametrize("layout", list(RAY_LAYOUTS))
+def test_resume_on_ray_at_the_same_layout_is_bit_exact(data_dir, tmp_path, layout):
+    """Ray ranks (actor and critic DP2 or PP2): 4 straight steps vs 2 + a resume in new groups."""
     ray = pytest.importorskip("ray")  # noqa: F841
     from megatron_ppo.distributed import connect_or_start
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import PPOTrainer
 
-    dp2 = {"cluster.launcher": "ray", "cluster.n_gpus_per_node": 2, "trainer.total_training_steps": 4,
-           "actor.ppo_micro_batch_size_per_gpu": 1, "critic.ppo_micro_batch_size_per_gpu": 1}
+    extra, (tp, pp, dp) = RAY_LAYOUTS[layout]
+    two = {"cluster.launcher": "ray", "cluster.n_gpus_per_node": 2, "trainer.total_training_steps": 4, **extra}
 
     def run(tmp, steps, save_freq=-1, resume=None):
-        cfg = load_config("tiny_cpu", _overrides(data_dir, tmp, **dp2, **{"trainer.save_freq": save_freq}))
+        cfg = load_config("tiny_cpu", _overrides(data_dir, tmp, **two, **{"trainer.save_freq": save_freq}))
         parts = build_components(cfg, resuming=resume is not None)
         try:
             trainer = PPOTrainer(cfg, parts)
-            assert parts.actor.layout.dp == 2
+            for role in (parts.actor, parts.critic):
+                assert (role.layout.tp, role.layout.pp, role.layout.dp) == (tp, pp, dp)
             if resume:
                 _scramble_rng()  # a new process's history differs: whatever it drew must not matter
                 trainer.resume(resume)
