@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     refused = unsupported_settings(cfg)
     if refused:
-        raise SystemExit(f"megatron-ppo train: the driver does not support {refused} yet (offline rollouts, "
-                         "reward models are later roadmap items). Nothing was run.")
+        raise SystemExit(f"megatron-ppo train: the driver does not support {refused}. Nothing was run.")
     checked = run_preflight(cfg)  # inputs, outputs, loggers, models: in seconds, before torch/Megatron/Ray
     import torch
 
