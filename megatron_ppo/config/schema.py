@@ -232,6 +232,13 @@ class RolloutConfig(SamplingConfig):
     log_prob_micro_batch_size_per_gpu: Optional[int] = field(None, "old-log-prob forward: sequences per forward")
     log_prob_use_dynamic_bsz: bool = field(False, "old-log-prob forward by token budget")
     log_prob_max_token_len_per_gpu: int = field(16384, "token budget per old-log-prob micro-batch")
+    prefill: Literal["auto", "ragged", "aligned"] = field(
+        "auto", "how prompts of different lengths fill the KV cache: ragged (left-padded, prefilled in length "
+        "groups; needs the local spec's SDPA attention), aligned (prefill to the shortest prompt, then one position "
+        "per step; any attention), auto: ragged where the attention allows it (docs/models.md)", None)
+    drop_finished: bool = field(True, "rows that hit eos leave the decode batch (same tokens, less work)", None)
+    use_torch_compile: bool = field(False, "torch.compile the one-token decode forward (measured in "
+                                    "docs/bench/peer.md)", None)
     val_kwargs: SamplingConfig = field(lambda: SamplingConfig(temperature=0.0, do_sample=False), "")
 
 

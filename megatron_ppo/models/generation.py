@@ -28,6 +28,10 @@ computed as ``scaled[token] - logsumexp(scaled)`` (no [B, V] log-softmax copy). 
 and inverts the CDF (no [B, V] exponential draw as ``torch.multinomial`` does); top-k / top-p filters run only when
 enabled.
 
+``compile_decode`` (``rollout.use_torch_compile``) runs the one-token decode forwards through ``torch.compile``
+(dynamic shapes: the batch shrinks and the cache grows every step; prefill stays eager). Compiled code is cached per
+process (``_compiled_forward``), so only the first rollout pays the compile time. Measured on CPU: docs/bench/peer.md.
+
 Parallelism: TP>1 (logits gathered over TP), PP>1 (hidden states passed stage to stage with send/recv; the last
 stage samples), sequence parallelism switched off during generation and restored after. Only the last stage's
 first TP rank samples; its tokens and log-probs are broadcast (one collective per step) to the whole model-parallel
@@ -59,6 +63,7 @@ class SamplingParams:
     seed: int = 0
     prefill: str = "auto"  # "auto" | "ragged" | "aligned" (module docstring)
     drop_finished: bool = True  # finished rows leave the decode batch (results unchanged)
+    compile_decode: bool = False  # torch.compile the one-token decode forward (module docstring)
 
     def __post_init__(self):
         if self.max_response_length < 1:
@@ -106,7 +111,7 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Exact in distribution like ``torch.multinomial(probs, 1)``, which draws B*V exponentials instead of B uniforms.
     """
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-    total = cdf[:, -1:]
+    total = cdf[:, -1:].contiguous()
     # right=True: the first index whose cdf exceeds u*total, so a zero-probability entry (flat cdf) is never hit;
     # u*total may round up to total: then the last entry with mass (where the cdf first reaches total).
     idx = torch.searchsorted(cdf, u.to(torch.float64).view(-1, 1) * total, right=True)
@@ -136,7 +141,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 class _StageRunner:
     """One forward step of this pipeline stage, passing hidden states between stages (PP > 1)."""
 
-    def __init__(self, model, batch_size, max_len, use_kv_cache):
+    def __init__(self, model, batch_size, max_len, use_kv_cache, compile_decode=False):
         from megatron.core import parallel_state as ps
         from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -149,6 +154,7 @@ class _StageRunner:
         self.hidden = self.core.config.hidden_size
         self.dtype = self.core.config.params_dtype
         self.device = next(self.core.parameters()).device
+        self.compiled = _compiled_forward() if compile_decode and use_kv_cache else None
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None = None):
         """ids: [B, s] the tokens of this step; mask: megatron attention mask (True = masked) or None (causal).
@@ -159,7 +165,10 @@ class _StageRunner:
             h = torch.empty(s, b, self.hidden, dtype=self.dtype, device=self.device)
             dist.recv(h, src=self.ps.get_pipeline_model_parallel_prev_rank())
             self.core.set_input_tensor(h)
-        out = self.model(ids, None, mask, inference_context=self.ctx, runtime_gather_output=True)
+        if self.compiled is not None and s == 1:  # a decode step
+            out = self.compiled(self.model, ids, mask, self.ctx)
+        else:
+            out = _forward(self.model, ids, mask, self.ctx)
         if self.ctx is not None:
             self.ctx.sequence_len_offset += s
         if not self.last:
@@ -187,6 +196,22 @@ class _StageRunner:
         for layer, (k, v) in mem.items():
             mem[layer] = (k.index_select(1, keep), v.index_select(1, keep))
         self.ctx.max_batch_size = int(keep.numel())
+
+
+def _forward(model, ids, mask, ctx):
+    return model(ids, None, mask, inference_context=ctx, runtime_gather_output=True)
+
+
+_COMPILED = None
+
+
+def _compiled_forward():
+    """``torch.compile(_forward)``, built once per process: dynamo caches the compiled graphs on ``_forward``'s code,
+    guarded on the model, so later rollouts (and other models) reuse or add to that cache."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(_forward, dynamic=True)
+    return _COMPILED
 
 
 @contextlib.contextmanager
@@ -356,7 +381,7 @@ def _generate_ragged(model, prompts, params, vocab, use_kv_cache):
         tokens[i, width - p.numel():width] = p.to(device)
     key_pad = torch.arange(total, device=device).unsqueeze(0) < (width - lengths).unsqueeze(1)  # [B, total]
     res = _Results(b, r, params, device)
-    runner = _StageRunner(model, b, total, use_kv_cache)
+    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode)
     sampler = _Sampler(params, vocab, b, device)
     # original index of each row of the decode batch: longest prompts first, so length groups are contiguous
     rows = torch.argsort(lengths, descending=True, stable=True)
@@ -424,7 +449,7 @@ def _generate_aligned(model, prompts, params, vocab, use_kv_cache):
     for i, p in enumerate(prompts):
         tokens[i, :p.numel()] = p.to(device)
     res = _Results(b, r, params, device)
-    runner = _StageRunner(model, b, total, use_kv_cache)
+    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode)
     sampler = _Sampler(params, vocab, b, device)
     rows = torch.arange(b, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)

@@ -330,4 +330,6 @@ class PPOTrainer:
         return dict(max_response_length=self.cfg.data.max_response_length,
                     temperature=s.temperature if s.do_sample else 1.0, top_k=max(s.top_k, 0), top_p=s.top_p,
                     greedy=not s.do_sample, eos_token_ids=tuple(self.p.eos_token_ids),
-                    pad_token_id=self.p.tokenizer.pad_token_id, seed=self.cfg.trainer.seed * 100003)
+                    pad_token_id=self.p.tokenizer.pad_token_id, seed=self.cfg.trainer.seed * 100003,
+                    prefill=self.cfg.rollout.prefill, drop_finished=self.cfg.rollout.drop_finished,
+                    compile_decode=self.cfg.rollout.use_torch_compile)

@@ -1,0 +1,89 @@
+"""rollout.prefill / rollout.drop_finished / rollout.use_torch_compile reach the actor's generation through the
+driver (PPOTrainer.sampling_params -> ActorWorker.generate -> models.generation.generate): the modes really run
+(forward counts differ as each mode's docstring says) and give the same greedy tokens; bad values are refused by
+key name."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ppo.config import load_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_trainer_ppo import _overrides, data_dir  # noqa: E402,F401  (helpers and fixture reused)
+
+
+def _rollout_with(cfg, parts, prompts):
+    """(responses, response_lengths, forward batch shapes of the actor, the SamplingParams generation received)."""
+    from megatron_ppo.trainer.ppo import PPOTrainer
+    from megatron_ppo.workers import megatron_worker
+
+    seen, shapes = [], []
+    real = megatron_worker.generate
+
+    def recording_generate(model, prompt_ids, params, **kw):  # records, then runs the real generation
+        seen.append(params)
+        return real(model, prompt_ids, params, **kw)
+
+    model = parts.actor.worker.model
+    handle = model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    megatron_worker.generate = recording_generate
+    try:
+        batch = PPOTrainer(cfg, parts).rollout(prompts)
+    finally:
+        megatron_worker.generate = real
+        handle.remove()
+    return batch.responses, batch.response_lengths, shapes, seen[0]
+
+
+def test_prefill_drop_finished_and_compile_keys_reach_generation(data_dir, tmp_path):
+    from megatron_ppo import parallel
+    from megatron_ppo.parallel.platform import disable_cpu_platform
+    from megatron_ppo.trainer.components import build_components
+
+    base = _overrides(data_dir, tmp_path, **{"rollout.do_sample": "false", "data.max_response_length": 6})
+    cfg = load_config("tiny_cpu", base)
+    parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
+    try:
+        parts = build_components(cfg)
+        prompts = parts.train_dataset.collate(parts.sampler.next_batch())
+        # prompts of different lengths (the tiny set's are all equal): drop leading tokens of some rows, as left
+        # padding (attention_mask 0) of the collated batch
+        for row, cut in ((1, 5), (2, 12)):
+            prompts["attention_mask"][row, :cut] = 0
+        lengths = prompts["attention_mask"].sum(1)
+        assert int(lengths.max()) - int(lengths.min()) >= 12, lengths
+        runs = {}
+        for name, extra in {"ragged": ["rollout.prefill=ragged"],
+                            "aligned": ["rollout.prefill=aligned", "rollout.drop_finished=false"],
+                            "compiled": ["rollout.use_torch_compile=true"]}.items():
+            runs[name] = _rollout_with(load_config("tiny_cpu", base + extra), parts, prompts)
+        parts.tracker.close()
+    finally:
+        parallel.destroy()
+        disable_cpu_platform()
+    r = 6
+    ragged, aligned, compiled = runs["ragged"], runs["aligned"], runs["compiled"]
+    assert (ragged[3].prefill, ragged[3].drop_finished, ragged[3].compile_decode) == ("ragged", True, False)
+    assert (aligned[3].prefill, aligned[3].drop_finished) == ("aligned", False)
+    assert compiled[3].compile_decode and compiled[3].prefill == "auto"
+    # the aligned loop advances one position per step from the shortest prompt; ragged prefills in length groups
+    assert len(aligned[2]) == int(lengths.max() - lengths.min()) + r, aligned[2]
+    assert len(ragged[2]) < len(aligned[2]) and all(s[1] == 1 for s in ragged[2][-(r - 1):]), ragged[2]
+    for other in (aligned, compiled):
+        assert torch.equal(other[0], ragged[0]) and torch.equal(other[1], ragged[1])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.prefill=left", "rollout.prefill"),
+    ("rollout.drop_finished=maybe", "rollout.drop_finished"),
+    ("rollout.use_torch_compile=2", "rollout.use_torch_compile"),
+])
+def test_bad_generation_keys_are_refused_by_name(override, message):
+    from megatron_ppo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny_cpu", [override])
