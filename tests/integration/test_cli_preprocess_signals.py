@@ -17,7 +17,7 @@ import pytest
 from megatron_ppo.data.gsm8k import default_gsm8k_dir
 from megatron_ppo.data.manifest import MANIFEST_NAME, check_against_manifest
 from megatron_ppo.data.preprocess import preprocess_arithmetic
-from megatron_ppo.testing.processes import process_tree
+from megatron_ppo.testing.processes import interrupt, still_alive
 
 REPO = Path(__file__).resolve().parents[2]
 REPEAT = 12  # x GSM8K (7473 + 1319 rows): ~100k rows, seconds to read and to write on this machine
@@ -70,19 +70,16 @@ def test_preprocess_interrupted_leaves_nothing(large_gsm8k, tmp_path, phase, sig
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_for(proc, tmp_path, phase)
-        tree = process_tree(proc.pid)
-        os.kill(proc.pid, sig)  # the process only (`kill PID` / a Ctrl-C delivered to it), not its group
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    tree, stdout, stderr = interrupt(proc, sig)
     assert proc.returncode == code, (proc.returncode, stderr)
     lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("INFO ")]
     assert len(lines) == 1 and f"interrupted by {name}" in lines[0] and "nothing was written" in lines[0], stderr
     assert "Traceback" not in stderr and "rows ->" not in stdout
     time.sleep(0.3)
-    alive = [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert alive == [], f"processes of the preprocess still alive: {alive}"
+    assert still_alive(tree) == [], "processes of the preprocess still alive"
     if old is None:
         assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # no temp dir, no partial output
     else:

@@ -10,9 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 
-from megatron_ppo.testing.processes import process_tree
+from megatron_ppo.testing.processes import interrupt, still_alive
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,17 +52,14 @@ def test_convert_interrupted_leaves_nothing(medium_hf, tmp_path, sig, code, name
             assert time.monotonic() < deadline, "no temp dir appeared"
             time.sleep(0.02)
         time.sleep(0.3)  # inside the write
-        tree = process_tree(proc.pid)
-        os.kill(proc.pid, sig)  # the process only (`kill PID` / a Ctrl-C delivered to it), not its group
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    tree, stdout, stderr = interrupt(proc, sig)
     assert proc.returncode == code, (proc.returncode, stderr)
     lines = [line for line in stderr.splitlines() if line.strip() and "INFO" not in line]
     assert len(lines) == 1 and f"interrupted by {name}" in lines[0] and "nothing was written" in lines[0], stderr
     assert "Traceback" not in stderr
     time.sleep(0.5)
-    alive = [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert alive == [], f"processes of the conversion still alive: {alive}"
+    assert still_alive(tree) == [], "processes of the conversion still alive"
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # no temp dir, no partial output
