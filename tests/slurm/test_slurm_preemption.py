@@ -48,7 +48,9 @@ def _release_requeued(cluster, job_id: str, out: Path, timeout: float) -> dict:
         assert fields.get("JobState") not in FINAL_STATES, f"{fields.get('JobState')}, not requeued:\n{text[-4000:]}"
         assert time.monotonic() < deadline, f"not requeued {timeout:.0f} s after USR1:\n{text[-4000:]}"
         time.sleep(0.5)
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    # Not "now": a job reallocated within the second of its requeue is killed by slurmd ("Job credential revoked":
+    # the revocation is kept at one-second resolution; seen in CI), which Slurm's long hold normally avoids.
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+3")
     return {k: fields.get(k) for k in ("JobState", "Reason", "Restarts", "StartTime")}
 
 
