@@ -1,7 +1,7 @@
 """PPO losses and their pieces: loss aggregation, clipped policy / value losses, entropy, KL estimators.
 
 verl 0.9.1 counterparts live in ``verl.trainer.ppo.core_algos`` (agg_loss, compute_policy_loss_vanilla,
-compute_value_loss, kl_penalty) and ``verl.utils.torch_functional`` (entropy_from_logits[_with_chunking]).
+compute_policy_loss_reinforce, compute_policy_loss_bypass_mode, compute_value_loss, kl_penalty) and ``verl.utils.torch_functional`` (entropy_from_logits[_with_chunking]).
 Differences are listed in docs/algo.md; the main ones: no NaN from empty masks (the loss is 0), inputs at masked
 positions are ignored, metric values are detached 0-dim tensors (no host sync per micro-batch; ``float(v)``).
 """
@@ -12,6 +12,7 @@ from torch.autograd.function import once_differentiable
 
 from megatron_ppo.algo import checks
 from megatron_ppo.algo.advantages import masked_mean_unchecked, masked_sum_unchecked, masked_var_unchecked
+from megatron_ppo.algo.rollout_correction import bypass_correction
 
 AGG_LOSS_MODES = (
     "token-mean",
@@ -20,6 +21,7 @@ AGG_LOSS_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")  # algorithm.rollout_correction.loss_type
 KL_PENALTY_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LOG_RATIO_CLAMP = 20.0  # verl clamps log-ratios to +-20 before exp (ratio, k3)
 K3_CLAMP = 10.0  # verl clamps the k3 estimate to +-10
@@ -161,6 +163,89 @@ def compute_policy_loss(
             "actor/ppo_kl": masked_mean_unchecked(-log_ratio.detach(), mask),
         }
     return loss, metrics
+
+
+def compute_policy_loss_reinforce(
+    rollout_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    dp_size: int = 1,
+    batch_num_tokens: int | None = None,
+    global_batch_size: int | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """REINFORCE with optional IS correction (verl's compute_policy_loss_reinforce): per token
+    -A * log_prob * w (w detached, 1 without weights), no ratio and no clipping. Metrics: actor/pg_loss,
+    actor/ppo_kl (mean of rollout_log_prob - log_prob, unclamped, as verl)."""
+    checks.float_tensor(log_prob, "log_prob", ndim=2)
+    checks.float_like(rollout_log_prob, "rollout_log_prob", "log_prob", log_prob)
+    checks.float_like(advantages, "advantages", "log_prob", log_prob)
+    mask = checks.mask(response_mask, "response_mask", "log_prob", log_prob)
+    agg_args = _check_agg_args(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    for name, tensor in (("log_prob", log_prob), ("rollout_log_prob", rollout_log_prob), ("advantages", advantages)):
+        checks.finite(tensor, name, mask)
+    pg_losses = -advantages * log_prob
+    if rollout_is_weights is not None:
+        checks.float_like(rollout_is_weights, "rollout_is_weights", "log_prob", log_prob)
+        checks.finite(rollout_is_weights, "rollout_is_weights", mask)
+        checks.nonnegative(rollout_is_weights, "rollout_is_weights", mask)
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    loss = _agg_loss(pg_losses, mask, loss_agg_mode, *agg_args)
+    with torch.no_grad():
+        metrics = {"actor/pg_loss": loss.detach(),
+                   "actor/ppo_kl": masked_mean_unchecked(rollout_log_prob - log_prob.detach(), mask)}
+    return loss, metrics
+
+
+def compute_policy_loss_bypass(
+    rollout_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_type: str = "ppo_clip",
+    rollout_is: str | None = None,
+    rollout_is_threshold: str | float | None = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: str | float | None = None,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    dp_size: int = 1,
+    batch_num_tokens: int | None = None,
+    global_batch_size: int | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bypass mode's policy loss (verl's compute_policy_loss_bypass_mode): old log-probs ARE the rollout's, so
+    no recompute; IS weights and the rejection mask are computed here from the current ``log_prob`` (detached).
+
+    "ppo_clip": ``compute_policy_loss`` with ratio pi_current / pi_rollout on the rejection-masked tokens and NO
+    IS weights (the clipped ratio already is the correction; weights would count it twice: with ``rollout_is``
+    set they are metrics only). "reinforce": ``compute_policy_loss_reinforce`` with the IS weights (if
+    ``rollout_is``). The normalisers (``batch_num_tokens`` ...) stay those of the unrejected mini-batch, as in
+    verl. Metrics: the loss's plus ``rollout_corr/*`` of ``rollout_correction.bypass_correction``.
+    """
+    checks.choice(loss_type, "loss_type", BYPASS_LOSS_TYPES)
+    weights, effective_mask, rc_metrics = bypass_correction(
+        log_prob, rollout_log_prob, response_mask, rollout_is, rollout_is_threshold, rollout_is_batch_normalize,
+        rollout_rs, rollout_rs_threshold)
+    agg = dict(loss_agg_mode=loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
+               global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor)
+    if loss_type == "reinforce":
+        loss, metrics = compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, effective_mask,
+                                                      rollout_is_weights=weights, **agg)
+    else:
+        loss, metrics = compute_policy_loss(rollout_log_prob, log_prob, advantages, effective_mask,
+                                            clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
+                                            clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, **agg)
+    return loss, {**metrics, **rc_metrics}
 
 
 # ---------------------------------------------------------------------------------------------------------------

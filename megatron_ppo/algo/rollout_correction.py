@@ -396,6 +396,27 @@ def compute_offpolicy_metrics(
     return _to_floats(_offpolicy_metrics(old_log_prob, rollout_log_prob, mask))
 
 
+def _correction_and_rejection(old_log_prob, rollout_log_prob, mask, response_mask, rollout_is, rollout_is_threshold,
+                              rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold) -> tuple:
+    """The combined computation on checked inputs; metrics stay tensors (prefixed)."""
+    if rollout_is is not None:
+        checks.choice(rollout_is, "rollout_is", IS_LEVELS)
+    log_ratio = old_log_prob.detach() - rollout_log_prob
+    metrics: dict = {}
+    weights = None
+    if rollout_is is not None and rollout_is_threshold is not None:
+        weights, is_metrics = _rollout_correction_weights(log_ratio, mask, rollout_is, rollout_is_threshold,
+                                                          bool(rollout_is_batch_normalize))
+        metrics.update(is_metrics)
+    new_mask = response_mask.clone()
+    if rollout_rs is not None:
+        keep, rs_metrics = _rejection_mask(log_ratio, mask, rollout_rs, rollout_rs_threshold)
+        new_mask = keep.to(response_mask.dtype)
+        metrics.update(rs_metrics)
+    metrics.update(_offpolicy_metrics(old_log_prob.detach(), rollout_log_prob, mask))
+    return weights, new_mask, {METRIC_PREFIX + k: v for k, v in metrics.items()}
+
+
 def compute_rollout_correction_and_rejection_mask(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
@@ -415,19 +436,38 @@ def compute_rollout_correction_and_rejection_mask(
     mask = _check_log_probs(old_log_prob, rollout_log_prob, response_mask)
     if rollout_log_prob is None:
         raise ValueError("rollout_log_prob is required for rollout correction")
-    if rollout_is is not None:
-        checks.choice(rollout_is, "rollout_is", IS_LEVELS)
-    log_ratio = old_log_prob - rollout_log_prob
-    metrics: dict = {}
-    weights = None
-    if rollout_is is not None and rollout_is_threshold is not None:
-        weights, is_metrics = _rollout_correction_weights(log_ratio, mask, rollout_is, rollout_is_threshold,
-                                                          bool(rollout_is_batch_normalize))
-        metrics.update(is_metrics)
-    new_mask = response_mask.clone()
-    if rollout_rs is not None:
-        keep, rs_metrics = _rejection_mask(log_ratio, mask, rollout_rs, rollout_rs_threshold)
-        new_mask = keep.to(response_mask.dtype)
-        metrics.update(rs_metrics)
-    metrics.update(_offpolicy_metrics(old_log_prob, rollout_log_prob, mask))
-    return weights, new_mask, {METRIC_PREFIX + k: v for k, v in _to_floats(metrics).items()}
+    weights, new_mask, metrics = _correction_and_rejection(
+        old_log_prob, rollout_log_prob, mask, response_mask, rollout_is, rollout_is_threshold,
+        rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
+    return weights, new_mask, _to_floats(metrics)
+
+
+def bypass_correction(
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str | None = None,
+    rollout_is_threshold: str | float | None = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: str | float | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
+    """Bypass mode's correction, per micro-batch inside the policy loss: IS weights pi_current / pi_rollout and
+    the rejection mask from the CURRENT log-prob (verl's compute_policy_loss_bypass_mode calls the combined entry
+    point with old_log_prob=log_prob). Same returns as ``compute_rollout_correction_and_rejection_mask`` but
+    the metrics are detached 0-dim tensors (no host sync per micro-batch). A micro-batch without a valid token
+    (empty responses only) gets no weights, an all-zero mask and the same metric keys with value 0: the update
+    weights metrics by valid tokens, so they do not count.
+    """
+    checks.float_tensor(log_prob, "log_prob", ndim=2)
+    mask = checks.mask(response_mask, "response_mask", "log_prob", log_prob)
+    checks.float_like(rollout_log_prob, "rollout_log_prob", "log_prob", log_prob)
+    checks.finite(log_prob, "log_prob", mask)
+    checks.finite(rollout_log_prob, "rollout_log_prob", mask)
+    args = (rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
+    if bool(mask.any()):
+        return _correction_and_rejection(log_prob, rollout_log_prob, mask, response_mask, *args)
+    # the metric keys of a one-token batch, all 0
+    one = torch.zeros(1, 1, dtype=log_prob.dtype, device=log_prob.device)
+    _, _, metrics = _correction_and_rejection(one, one, torch.ones_like(one, dtype=torch.bool), one, *args)
+    return None, torch.zeros_like(response_mask), {k: torch.zeros((), dtype=log_prob.dtype) for k in metrics}
