@@ -315,6 +315,11 @@ def _rollout_correction(rc, errs: _Errors) -> None:
                    f"must be > 0 and finite, got {threshold}")
     errs.check(rc.rollout_is is not None or not rc.rollout_is_batch_normalize, f"{key}.rollout_is_batch_normalize",
                f"only used when {key}.rollout_is is token or sequence (it is null)")
+    errs.check(rc.loss_type in ("ppo_clip", "reinforce"), f"{key}.loss_type",
+               f"must be ppo_clip or reinforce, got {rc.loss_type!r}")
+    errs.check(rc.bypass_mode or rc.loss_type == "ppo_clip", f"{key}.loss_type",
+               f"{rc.loss_type} is only used with {key}.bypass_mode=true (it is false: the policy loss is PPO's "
+               "clipped objective with the recomputed old log-probs)")
     if rc.rollout_rs is None:
         errs.check(rc.rollout_rs_threshold is None, f"{key}.rollout_rs_threshold",
                    f"only used when {key}.rollout_rs is set (it is null)")

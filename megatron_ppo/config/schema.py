@@ -280,7 +280,11 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold: Optional[Union[float, str]] = field(
         None, "one bound per criterion (comma separated) or one shared; *_k1 takes 'lower_upper' or an upper "
         "bound (lower = 1/upper), k2/k3 an upper bound")
-    bypass_mode: bool = field(False, "use behaviour log-probs as old log-probs (skip the recompute)")
+    bypass_mode: bool = field(False, "use the rollout (behaviour) log-probs as old log-probs: no actor recompute; "
+                              "IS weights / rejection come from the current log-prob inside the policy loss")
+    loss_type: Literal["ppo_clip", "reinforce"] = field(
+        "ppo_clip", "bypass-mode policy loss: ppo_clip (ratio to the rollout policy, clipped; IS weights only "
+        "logged) or reinforce (-A x log-prob x IS weight)")
 
 
 @dataclass

@@ -37,7 +37,6 @@ def unsupported_settings(cfg) -> list[str]:
         "critic.model.tokenizer_path / ref.model.tokenizer_path / reward.reward_model.model.tokenizer_path (all "
         "roles use the actor's tokenizer)": any(m.tokenizer_path not in (None, cfg.actor.model.tokenizer_path)
                                                 for m in (cfg.critic.model, cfg.ref.model, cfg.reward.reward_model.model)),
-        "algorithm.rollout_correction.bypass_mode": cfg.algorithm.rollout_correction.bypass_mode,
         "trainer.log_val_generations > 0": cfg.trainer.log_val_generations > 0,
     }
     return [name for name, asked in checks.items() if asked]

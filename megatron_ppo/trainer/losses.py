@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from megatron_ppo.algo.advantages import masked_mean
-from megatron_ppo.algo.losses import agg_loss, compute_policy_loss, compute_value_loss, kl_penalty
+from megatron_ppo.algo.losses import (agg_loss, compute_policy_loss, compute_policy_loss_bypass, compute_value_loss,
+                                     kl_penalty)
 from megatron_ppo.models.logprobs import next_token_targets, vocab_parallel_logprobs_entropy
 from megatron_ppo.data.batch import gather_response
 
@@ -43,19 +44,34 @@ def reward_output_fn(values, micro):
     return {"scores": torch.where(lengths > 0, scores, torch.zeros_like(scores))}
 
 
-def actor_loss_fn(actor_cfg, *, vocab_size: int, temperature: float, mini_batch_tokens: int, mini_batch_seqs: int):
-    """PPO clip / dual-clip policy loss + entropy bonus + KL loss, IS-weighted when the batch carries weights."""
+def actor_loss_fn(actor_cfg, *, vocab_size: int, temperature: float, mini_batch_tokens: int, mini_batch_seqs: int,
+                  rollout_correction=None):
+    """PPO clip / dual-clip policy loss + entropy bonus + KL loss, IS-weighted when the batch carries weights.
+
+    ``rollout_correction`` (algorithm.rollout_correction) with bypass_mode: the micro-batch's old_log_probs are the
+    rollout's and the policy loss is algo.losses.compute_policy_loss_bypass (loss_type ppo_clip | reinforce, IS
+    weights / rejection from the current log-prob, rollout_corr/* metrics per micro-batch), as verl."""
     low, high = actor_cfg.clip_bounds()
     agg = {"loss_agg_mode": actor_cfg.loss_agg_mode, "batch_num_tokens": mini_batch_tokens,
            "global_batch_size": mini_batch_seqs, "loss_scale_factor": actor_cfg.loss_scale_factor}
+    clip = {"clip_ratio": actor_cfg.clip_ratio, "clip_ratio_low": low, "clip_ratio_high": high,
+            "clip_ratio_c": actor_cfg.clip_ratio_c}
+    rc = rollout_correction if rollout_correction is not None and rollout_correction.bypass_mode else None
+
+    def policy_loss(log_prob, micro, mask):
+        if rc is None:
+            return compute_policy_loss(micro["old_log_probs"], log_prob, micro["advantages"], mask,
+                                       rollout_is_weights=micro.get("rollout_is_weights"), **clip, **agg)
+        return compute_policy_loss_bypass(
+            micro["old_log_probs"], log_prob, micro["advantages"], mask, loss_type=rc.loss_type,
+            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+            rollout_rs_threshold=rc.rollout_rs_threshold, **clip, **agg)
 
     def loss_fn(logits, micro):
         mask = micro["loss_mask"]
         log_prob, entropy = response_logprobs_entropy(logits, micro, vocab_size, temperature)
-        pg_loss, metrics = compute_policy_loss(
-            micro["old_log_probs"], log_prob, micro["advantages"], mask, clip_ratio=actor_cfg.clip_ratio,
-            clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor_cfg.clip_ratio_c,
-            rollout_is_weights=micro.get("rollout_is_weights"), **agg)
+        pg_loss, metrics = policy_loss(log_prob, micro, mask)
         entropy_loss = agg_loss(entropy, mask, **agg)
         loss = pg_loss - actor_cfg.entropy_coeff * entropy_loss
         # k1 (actor/ppo_kl, verl's metric) can be negative; the target-KL guard reads this non-negative k3 estimate.

@@ -217,20 +217,28 @@ class PPOTrainer:
         metrics.update({k: v for k, v in out_metrics.items() if stored is None or not k.startswith("reward/score/")})
 
     def evaluate(self, batch: RolloutBatch, metrics: dict) -> None:
-        """Old log-probs (actor), reference log-probs, values (critic) of the responses, forward only."""
+        """Old log-probs (actor), reference log-probs, values (critic) of the responses, forward only. With
+        algorithm.rollout_correction.bypass_mode the old log-probs are the rollout's (verl's apply_bypass_mode):
+        the actor's forward is skipped, and so are the metrics that compare it with the rollout."""
         payload, lengths = to_payload(batch), row_lengths(batch)
-        out = self.p.actor.call_rows("compute_log_probs", payload, lengths)
-        batch.tensors["old_log_probs"] = out["log_probs"]
-        metrics["actor/entropy_rollout"] = float(masked_mean(out["entropy"], batch.response_mask))
+        bypass = self.cfg.algorithm.rollout_correction.bypass_mode
+        if bypass:
+            batch.tensors["old_log_probs"] = batch.tensors["rollout_log_probs"]
+        else:
+            out = self.p.actor.call_rows("compute_log_probs", payload, lengths)
+            batch.tensors["old_log_probs"] = out["log_probs"]
+            metrics["actor/entropy_rollout"] = float(masked_mean(out["entropy"], batch.response_mask))
         if self.p.ref is not None:
             batch.tensors["ref_log_probs"] = self.p.ref.call_rows("compute_log_probs", payload, lengths)["log_probs"]
         if self.p.critic is not None:
             batch.tensors["values"] = self.p.critic.call_rows("compute_values", payload, lengths)["values"]
-        diff = (batch.tensors["old_log_probs"] - batch.tensors["rollout_log_probs"]).abs()
-        metrics["rollout/logprob_abs_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+        if not bypass:
+            diff = (batch.tensors["old_log_probs"] - batch.tensors["rollout_log_probs"]).abs()
+            metrics["rollout/logprob_abs_diff_max"] = float(diff.max()) if diff.numel() else 0.0
 
     def compute_advantages(self, batch: RolloutBatch, metrics: dict) -> None:
-        """KL-in-reward (controller) -> GAE (ops.gae) or GRPO -> whitening; rollout correction weights/masks."""
+        """KL-in-reward (controller) -> GAE (ops.gae) or GRPO -> whitening; rollout correction weights/masks
+        (decoupled mode only: in bypass mode the actor's loss computes them from the current log-prob)."""
         t, mask, alg = batch.tensors, batch.response_mask, self.cfg.algorithm
         rewards = t["token_level_scores"]
         if alg.use_kl_in_reward:
@@ -247,7 +255,7 @@ class PPOTrainer:
             t["advantages"], t["returns"] = compute_grpo_outcome_advantage(
                 rewards, mask, index, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
         rc = alg.rollout_correction
-        if rc.rollout_is or rc.rollout_rs:
+        if (rc.rollout_is or rc.rollout_rs) and not rc.bypass_mode:  # bypass: inside the actor's loss, per micro-batch
             weights, new_mask, rc_metrics = compute_rollout_correction_and_rejection_mask(
                 t["old_log_probs"], t["rollout_log_probs"], mask, rc.rollout_is, rc.rollout_is_threshold,
                 rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold)

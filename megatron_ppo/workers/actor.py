@@ -56,7 +56,8 @@ class ActorWorker(RoleWorker):
 
         def make_loss(tokens, seqs):
             return actor_loss_fn(a, vocab_size=self.vocab_size, temperature=self.cfg.rollout.temperature,
-                                 mini_batch_tokens=tokens, mini_batch_seqs=seqs)
+                                 mini_batch_tokens=tokens, mini_batch_seqs=seqs,
+                                 rollout_correction=self.cfg.algorithm.rollout_correction)
 
         metrics = self.run_update(batch, step, keys, make_loss, self.guard)
         if self.guard is not None:

@@ -70,8 +70,11 @@ RUNS = {
              # here, the gae run (in-process) records those
              "cluster.launcher": "ray", "cluster.placement": "split", "cluster.n_gpus_per_node": 2,
              "cluster.actor.data_parallel_size": 1, "cluster.ref.data_parallel_size": 1},
-    # a reward model scores the responses (in-process, so the worker's reads are recorded)
-    "reward_model": {"reward.reward_model.enable": "true", "reward.reward_model.model.arch": ARCH,
+    # a reward model scores the responses (in-process, so the worker's reads are recorded); the actor trains in
+    # bypass mode (rollout log-probs as old log-probs, the REINFORCE loss)
+    "reward_model": {"algorithm.rollout_correction.bypass_mode": "true",
+                     "algorithm.rollout_correction.loss_type": "reinforce",
+                     "reward.reward_model.enable": "true", "reward.reward_model.model.arch": ARCH,
                      "reward.reward_model.micro_batch_size_per_gpu": 2, "algorithm.adv_estimator": "grpo",
                      "reward.reward_model.model.recompute_granularity": "full",
                      "reward.reward_model.model.recompute_method": "uniform",

@@ -136,7 +136,6 @@ def test_target_kl_guard_skips_the_update_after_a_large_step(data_dir, tmp_path)
     ("reward.reward_model.model.tokenizer_path=other/",
      "critic.model.tokenizer_path / ref.model.tokenizer_path / reward.reward_model.model.tokenizer_path (all roles "
      "use the actor's tokenizer)"),
-    ("algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.bypass_mode"),
     ("trainer.log_val_generations=4", "trainer.log_val_generations > 0"),
 ])
 def test_train_refuses_what_it_would_otherwise_ignore(override, name):
