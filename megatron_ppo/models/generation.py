@@ -28,6 +28,10 @@ computed as ``scaled[token] - logsumexp(scaled)`` (no [B, V] log-softmax copy). 
 and inverts the CDF (no [B, V] exponential draw as ``torch.multinomial`` does); top-k / top-p filters run only when
 enabled.
 
+Keys are cached RoPE-rotated (``attention.CachedRopeSelfAttention``: megatron re-rotates the whole cache every
+step) and one-token steps run through ``decode_step.DecodeStep`` (``lean_decode``: the same modules without
+``GPTModel.forward``'s scaffolding); both are bit-identical to megatron's path.
+
 ``compile_decode`` (``rollout.use_torch_compile``) runs the one-token decode forwards through ``torch.compile``
 (dynamic shapes: the batch shrinks and the cache grows every step; prefill stays eager). Compiled code is cached per
 process (``_compiled_forward``), so only the first rollout pays the compile time. Measured on CPU: docs/bench/peer.md.
@@ -46,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from megatron_ppo.models.decode_step import DecodeStep, unsupported_reason
 from megatron_ppo.models.unwrap import unwrap_model
 
 PREFILL_MODES = ("auto", "ragged", "aligned")
@@ -64,6 +69,7 @@ class SamplingParams:
     prefill: str = "auto"  # "auto" | "ragged" | "aligned" (module docstring)
     drop_finished: bool = True  # finished rows leave the decode batch (results unchanged)
     compile_decode: bool = False  # torch.compile the one-token decode forward (module docstring)
+    lean_decode: bool = True  # one-token steps through models.decode_step where the model allows it
 
     def __post_init__(self):
         if self.max_response_length < 1:
@@ -141,7 +147,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 class _StageRunner:
     """One forward step of this pipeline stage, passing hidden states between stages (PP > 1)."""
 
-    def __init__(self, model, batch_size, max_len, use_kv_cache, compile_decode=False):
+    def __init__(self, model, batch_size, max_len, use_kv_cache, compile_decode=False, lean_decode=False):
         from megatron.core import parallel_state as ps
         from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -155,6 +161,9 @@ class _StageRunner:
         self.dtype = self.core.config.params_dtype
         self.device = next(self.core.parameters()).device
         self.compiled = _compiled_forward() if compile_decode and use_kv_cache else None
+        self.lean = None
+        if lean_decode and use_kv_cache and self.compiled is None and unsupported_reason(self.core) is None:
+            self.lean = DecodeStep(self.core, max_len)
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None = None):
         """ids: [B, s] the tokens of this step; mask: megatron attention mask (True = masked) or None (causal).
@@ -165,6 +174,13 @@ class _StageRunner:
             h = torch.empty(s, b, self.hidden, dtype=self.dtype, device=self.device)
             dist.recv(h, src=self.ps.get_pipeline_model_parallel_prev_rank())
             self.core.set_input_tensor(h)
+        if self.lean is not None and s == 1:  # a decode step, lean
+            out = self.lean(ids if self.first else h, mask, self.ctx)
+            self.ctx.sequence_len_offset += 1
+            if not self.last:
+                dist.send(out.contiguous(), dst=self.ps.get_pipeline_model_parallel_next_rank())
+                return None
+            return out
         if self.compiled is not None and s == 1:  # a decode step
             out = self.compiled(self.model, ids, mask, self.ctx)
         else:
@@ -381,7 +397,7 @@ def _generate_ragged(model, prompts, params, vocab, use_kv_cache):
         tokens[i, width - p.numel():width] = p.to(device)
     key_pad = torch.arange(total, device=device).unsqueeze(0) < (width - lengths).unsqueeze(1)  # [B, total]
     res = _Results(b, r, params, device)
-    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode)
+    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode, params.lean_decode)
     sampler = _Sampler(params, vocab, b, device)
     # original index of each row of the decode batch: longest prompts first, so length groups are contiguous
     rows = torch.argsort(lengths, descending=True, stable=True)
@@ -449,7 +465,7 @@ def _generate_aligned(model, prompts, params, vocab, use_kv_cache):
     for i, p in enumerate(prompts):
         tokens[i, :p.numel()] = p.to(device)
     res = _Results(b, r, params, device)
-    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode)
+    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode, params.lean_decode)
     sampler = _Sampler(params, vocab, b, device)
     rows = torch.arange(b, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)

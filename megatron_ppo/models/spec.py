@@ -13,7 +13,7 @@ import logging
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_ppo.models.attention import SDPACoreAttention
+from megatron_ppo.models.attention import CachedRopeSelfAttention, SDPACoreAttention
 from megatron_ppo.models.layers import Norm
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ def local_layer_spec(normalization: str) -> ModuleSpec:
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
     spec.submodules.input_layernorm = Norm
     spec.submodules.pre_mlp_layernorm = Norm
+    spec.submodules.self_attention.module = CachedRopeSelfAttention
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 

@@ -111,10 +111,10 @@ def test_filter_logits_matches_transformers_warpers(top_k, top_p):
 
 
 def _forward_batches(model):
-    """Record the [B, s] shape of every forward of ``model`` (a real forward pre-hook)."""
-    shapes = []
-    handle = model.register_forward_pre_hook(lambda mod, args: shapes.append(tuple(args[0].shape)))
-    return shapes, handle
+    """Record the [B, s] shape of every forward of ``model`` (a real forward pre-hook on its embedding)."""
+    from megatron_ppo.testing.forwards import record_forward_shapes
+
+    return record_forward_shapes(model)
 
 
 def test_ragged_prefill_equals_aligned_loop_in_one_prefill_forward(actor):

@@ -21,7 +21,9 @@ def _rollout_with(cfg, parts, prompts):
     from megatron_ppo.trainer.ppo import PPOTrainer
     from megatron_ppo.workers import megatron_worker
 
-    seen, shapes = [], []
+    from megatron_ppo.testing.forwards import record_forward_shapes
+
+    seen = []
     real = megatron_worker.generate
 
     def recording_generate(model, prompt_ids, params, **kw):  # records, then runs the real generation
@@ -29,7 +31,7 @@ def _rollout_with(cfg, parts, prompts):
         return real(model, prompt_ids, params, **kw)
 
     model = parts.actor.worker.model
-    handle = model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    shapes, handle = record_forward_shapes(model)
     megatron_worker.generate = recording_generate
     try:
         batch = PPOTrainer(cfg, parts).rollout(prompts)

@@ -1,0 +1,139 @@
+"""The decode speed-ups are exact: keys RoPE-rotated once into the cache (``CachedRopeSelfAttention``) and the lean
+one-token step (``models.decode_step``) give bit-identical tokens and log-probs to megatron's own path (megatron's
+``SelfAttention``, which caches un-rotated keys and re-rotates the cache every step, through ``GPTModel.forward``),
+for Llama- and Qwen2-style (qkv bias) models, tied and untied, ragged and aligned prefill, greedy and sampled,
+rows leaving at eos; at TP2 / TP2+SP / PP2 too. A model the lean step does not cover falls back by name."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+from megatron.core.transformer.attention import SelfAttention
+
+from megatron_ppo.models.arch import tiny_arch
+from megatron_ppo.models.attention import CachedRopeSelfAttention
+from megatron_ppo.models.generation import SamplingParams, generate
+
+VOCAB = 500
+ARCHS = {"llama": {}, "llama_tied": {"tie_word_embeddings": True},
+         "qwen2": {"add_qkv_bias": True, "tie_word_embeddings": True}, "gelu_mha": {"activation": "gelu",
+                                                                                   "num_query_groups": 4}}
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 11, 3, 7, 7)]
+
+
+@contextlib.contextmanager
+def megatron_self_attention(model):
+    """megatron's own SelfAttention in place of ours (what megatron caches: un-rotated keys)."""
+    mods = [m for m in model.modules() if type(m) is CachedRopeSelfAttention]
+    for m in mods:
+        m.__class__ = SelfAttention
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.__class__ = CachedRopeSelfAttention
+
+
+def _three_ways(model, prompts, params):
+    """(lean step + rotated cache: the default, megatron forward + rotated cache, megatron's own path)."""
+    lean = generate(model, prompts, params)
+    full = generate(model, prompts, dataclasses.replace(params, lean_decode=False))
+    with megatron_self_attention(model):
+        megatron = generate(model, prompts, dataclasses.replace(params, lean_decode=False))
+    return lean, full, megatron
+
+
+def _assert_identical(a, b):
+    assert torch.equal(a.responses, b.responses)
+    assert torch.equal(a.log_probs, b.log_probs)  # bit for bit, not to a tolerance
+    assert torch.equal(a.response_lengths, b.response_lengths) and torch.equal(a.finished, b.finished)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("prefill", ["ragged", "aligned"])
+def test_lean_step_and_rotated_cache_are_bit_identical_to_megatron(megatron_single, arch, prefill):
+    from megatron_ppo.models.decode_step import unsupported_reason
+    from megatron_ppo.models.gpt import build_gpt_model
+
+    model = build_gpt_model(tiny_arch(vocab_size=VOCAB, **ARCHS[arch]), "actor")
+    assert unsupported_reason(model) is None  # the lean step really runs
+    sampled = SamplingParams(max_response_length=12, temperature=0.8, seed=5, prefill=prefill)
+    lean, full, megatron = _three_ways(model, _prompts(), sampled)
+    _assert_identical(lean, full)
+    _assert_identical(lean, megatron)
+    greedy = generate(model, _prompts(), dataclasses.replace(sampled, greedy=True))
+    eos = (int(greedy.responses[1, 2]), int(greedy.responses[3, 5]))  # rows stop early and leave the batch
+    stop = dataclasses.replace(sampled, eos_token_ids=eos, greedy=True)
+    lean, full, megatron = _three_ways(model, _prompts(), stop)
+    assert bool(lean.finished.any())
+    _assert_identical(lean, full)
+    _assert_identical(lean, megatron)
+
+
+def test_rotated_cache_holds_megatron_rotation_of_each_key(megatron_single):
+    """The cache holds apply_rotary_pos_emb(key, freqs[position]) for every written column."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    from megatron_ppo.models.gpt import build_gpt_model
+
+    model = build_gpt_model(tiny_arch(vocab_size=VOCAB), "actor").eval()
+    ids = torch.randint(0, VOCAB, (2, 6))
+    captured = {}
+    att = model.decoder.layers[1].self_attention
+    hook = att.linear_qkv.register_forward_hook(lambda m, i, o: captured.update(x=i[0]) or None)
+    ctx = StaticInferenceContext(2, 16)
+    with torch.no_grad():
+        model(ids, None, None, inference_context=ctx, runtime_gather_output=True)
+    hook.remove()
+    with torch.no_grad():
+        _, key, _ = att.get_query_key_value_tensors(captured["x"], None)
+        freqs = model.rotary_pos_emb(16)[:6]
+        want = apply_rotary_pos_emb(key, freqs, config=model.config)
+    cached = ctx.key_value_memory_dict[att.layer_number][0][:6]
+    assert torch.equal(cached, want)
+    assert not torch.allclose(cached, key)  # megatron's SelfAttention would have cached the un-rotated key
+
+
+def test_a_model_the_lean_step_does_not_cover_falls_back(megatron_single):
+    from megatron_ppo.models.decode_step import unsupported_reason
+    from megatron_ppo.models.gpt import build_gpt_model
+
+    model = build_gpt_model(tiny_arch(vocab_size=VOCAB), "actor")
+    params = SamplingParams(max_response_length=6, greedy=True)
+    want = generate(model, _prompts(), params)
+    with megatron_self_attention(model):
+        assert "self_attention SelfAttention" in unsupported_reason(model)
+        got = generate(model, _prompts(), params)  # megatron's forward, not the lean step (which would be wrong)
+    _assert_identical(want, got)
+
+
+def _job_layouts(rank, world, layout):
+    from megatron_ppo import parallel
+    from megatron_ppo.models.gpt import build_gpt_model
+
+    tp, pp, sp = {"tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False)}[layout]
+    parallel.initialize(tp=tp, pp=pp, seed=7)
+    try:
+        model = build_gpt_model(tiny_arch(vocab_size=VOCAB, add_qkv_bias=True), "actor", sequence_parallel=sp)
+        params = SamplingParams(max_response_length=10, temperature=0.9, seed=3)
+        lean, full, megatron = _three_ways(model, _prompts(), params)
+    finally:
+        parallel.destroy(destroy_process_group=False)
+    same = all(torch.equal(lean.responses, x.responses) and torch.equal(lean.log_probs, x.log_probs)
+               for x in (full, megatron))
+    return {"same": same, "tokens": lean.responses}
+
+
+@pytest.mark.slow  # two ranks
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2"])
+def test_lean_step_is_bit_identical_on_two_ranks(dist_pool2, layout):
+    r0, r1 = dist_pool2.run(_job_layouts, layout)
+    assert r0["same"] and r1["same"]
+    assert torch.equal(r0["tokens"], r1["tokens"])
