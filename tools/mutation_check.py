@@ -31,6 +31,7 @@ LOSSES = "tests/unit/test_trainer_losses.py"
 LEDGER = ("tests/unit/test_convert_ledger.py", "tests/integration/test_convert_mapping.py")
 STATE = "tests/unit/test_state_roundtrip.py"
 CONFIG_RULES = "tests/unit/test_config.py::test_validation_error_names_the_key"
+RESPONSE_LOGITS = "tests/integration/test_models_response_logits.py"
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,14 @@ MUTANTS = [
     Mutant("resp_pos_off_by_one", "megatron_ppo/data/batch.py",
            "batch.prompt_ids[i].numel() - 1 + steps", "batch.prompt_ids[i].numel() + steps",
            (LOSSES, "tests/unit/test_data_batch.py"), "pack_rows: resp_pos one token late"),
+    Mutant("logit_positions_off_by_one", "megatron_ppo/models/gpt.py",
+           "flat.index_select(0, positions.to(flat.device))",
+           "flat.index_select(0, (positions.to(flat.device) + 1).clamp(max=b * s - 1))",
+           (RESPONSE_LOGITS,), "LM head run one position late (logit_positions)"),
+    Mutant("logit_positions_sp_grad_reduced_twice", "megatron_ppo/models/gpt.py",
+           "hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp)",
+           "hidden_states, tensor_parallel_output_grad=True, group=self.pg_collection.tp)",
+           (RESPONSE_LOGITS,), "logit_positions under SP: the hidden-state gradient summed over TP twice"),
     # rollout correction
     Mutant("is_truncation_ignored", "megatron_ppo/algo/rollout_correction.py",
            "weights = raw.clamp(max=upper)", "weights = raw", ("tests/unit/test_algo_rollout_correction.py",),

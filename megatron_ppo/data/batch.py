@@ -9,7 +9,9 @@ parallelism 2*CP*TP) and ``cu_seqlens`` includes that padding, as verl's Megatro
 sequence's last token, so under causal attention no real token attends to them.
 
 Per-token quantities live in verl's layout, [B, R] right-padded over the response, and ``resp_pos`` maps that layout
-into the packed row: response token j of row i is predicted at packed position start_i + P_i + j - 1.
+into the packed row: response token j of row i is predicted at packed position start_i + P_i + j - 1. The distinct
+positions resp_pos reads are ``logit_positions`` (the actor's and reference's models compute logits only there) and
+``logit_index`` maps each [b, R] slot to one of them.
 
 Micro-batches: a fixed number of rows (``split_rows``) or a token budget (``micro_batches_by_tokens``, on
 ``data.dynamic_batch.plan_micro_batches``).
@@ -64,7 +66,8 @@ def packed_num_tokens(lengths: Sequence[int], align: int = 1) -> int:
 
 
 def pack_rows(batch: RolloutBatch, rows: list[int], keys: tuple[str, ...] = (), align: int = 1) -> dict:
-    """One packed micro-batch of ``rows``: input_ids [1, T], cu_seqlens, resp_pos [b, R], plus ``keys`` from
+    """One packed micro-batch of ``rows``: input_ids [1, T], cu_seqlens, resp_pos [b, R], logit_positions [N] and
+    logit_index [b, R] (``response_positions``), plus ``keys`` from
     batch.tensors (indexed by rows), the response mask (which tokens exist) and the loss mask (which of them the
     losses count: the response mask minus tokens rejected by rollout correction). ``align``: pad each sequence
     to a multiple of it (see the module docstring); resp_pos never points into that padding."""
@@ -82,7 +85,9 @@ def pack_rows(batch: RolloutBatch, rows: list[int], keys: tuple[str, ...] = (), 
         for k, i in enumerate(rows)
     ])
     index = torch.as_tensor(rows, dtype=torch.long)
+    logit_positions, logit_index = response_positions(resp_pos)
     micro = {"input_ids": input_ids, "cu_seqlens": cu_seqlens, "resp_pos": resp_pos,
+             "logit_positions": logit_positions, "logit_index": logit_index,
              "response_mask": batch.response_mask[index], "loss_mask": batch.loss_mask[index]}
     for key in keys:
         micro[key] = batch.tensors[key][index]
@@ -116,6 +121,31 @@ def micro_batches_by_tokens(batch: RolloutBatch, rows: list[int], max_tokens: in
     return [[rows[j] for j in micro] for micro in plan]
 
 
-def gather_response(per_token: torch.Tensor, micro: dict) -> torch.Tensor:
-    """[1, T] (or [T]) packed per-token values -> [b, R] in the response layout."""
+def response_positions(resp_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [N], index [b, R]): the distinct packed positions ``resp_pos`` reads, ascending, and each slot's
+    index among them (positions[index] == resp_pos). A model output computed only at ``positions`` holds every
+    value the response layout needs: N <= T, and the padding slots past a response share one position per row."""
+    positions, index = torch.unique(resp_pos, sorted=True, return_inverse=True)
+    return positions, index
+
+
+def at_logit_positions(num_positions: int, micro: dict) -> bool:
+    """Whether a model output with ``num_positions`` along the sequence holds the micro-batch's
+    ``logit_positions`` only (True) or every packed position (False); anything else is an error."""
+    positions = micro.get("logit_positions")
+    if positions is not None and num_positions == positions.numel():
+        return True  # (N == T only when positions == arange(T): both readings then agree)
+    total = micro["input_ids"].numel()
+    if num_positions == total:
+        return False
+    expected = f"{total} (every packed position)" + ("" if positions is None else
+                                                    f" or {positions.numel()} (logit_positions)")
+    raise ValueError(f"model output has {num_positions} positions; the micro-batch expects {expected}")
+
+
+def gather_response(per_token: torch.Tensor, micro: dict, at_positions: bool = False) -> torch.Tensor:
+    """Packed per-token values -> [b, R] in the response layout: [1, T] (or [T]) over every packed position, or
+    (``at_positions``) [1, N] / [N] over the micro-batch's ``logit_positions``."""
+    if at_positions:
+        return per_token.reshape(-1)[micro["logit_index"]]
     return per_token.reshape(-1)[micro["resp_pos"]]

@@ -6,6 +6,9 @@ A micro-batch is a dict with
                  part of the sequence it follows, as in ``data.packing.PackLayout.cu_seqlens_padded``),
   "attention_mask": optional megatron mask (bool, True = masked) for padded rows; None = causal,
   "position_ids": optional (RoPE models ignore it: rotary positions restart per packed sequence anyway),
+  "logit_positions": optional long [N], positions into the flattened input_ids (``data.batch.pack_rows`` sets
+                 the ones that predict response tokens): an actor/reference model then returns logits only there,
+                 [1, N, V/TP] (``models.gpt``); value models ignore it,
 plus whatever the loss function reads (response masks, advantages, old log-probs, ...).
 """
 from __future__ import annotations
@@ -49,9 +52,12 @@ def pack_sequences(sequences: list[torch.Tensor], align: int = 1, pad_id: int = 
 def model_forward(model, batch: dict):
     """Run ``model`` (this pipeline stage) on one micro-batch; returns the stage's output tensor.
 
-    Last stage: logits [B, S, V/TP] (actor/reference) or values [B, S, 1] (critic/reward); other stages: hidden.
+    Last stage: logits [B, S, V/TP] (actor/reference; [1, N, V/TP] at ``batch["logit_positions"]`` when given) or
+    values [B, S, 1] (critic/reward); other stages: hidden.
     """
     from megatron.core import parallel_state
+
+    from megatron_ppo.models.gpt import LM_ROLES
 
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
@@ -64,9 +70,24 @@ def model_forward(model, batch: dict):
         if int(cu[-1]) != input_ids.shape[1]:
             raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but input_ids has {input_ids.shape[1]} tokens")
         psp = packed_seq_params(cu)
-    config = unwrap_model(model).config
+    inner = unwrap_model(model)
+    config = inner.config
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if config.sequence_parallel and input_ids.shape[1] % tp:
         raise ValueError(f"sequence parallel needs the sequence length ({input_ids.shape[1]}) to be a multiple of "
                          f"TP={tp}: pad (e.g. PackLayout align={tp})")
-    return model(input_ids, batch.get("position_ids"), batch.get("attention_mask"), packed_seq_params=psp)
+    extra = {}
+    positions = batch.get("logit_positions")
+    if positions is not None and getattr(inner, "role", None) in LM_ROLES:
+        _check_positions(positions, input_ids.numel())
+        extra["logit_positions"] = positions
+    return model(input_ids, batch.get("position_ids"), batch.get("attention_mask"), packed_seq_params=psp, **extra)
+
+
+def _check_positions(positions: torch.Tensor, num_tokens: int) -> None:
+    if positions.dim() != 1 or positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"micro-batch 'logit_positions' must be a 1-D integer tensor, got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= num_tokens):
+        raise ValueError(f"micro-batch 'logit_positions' must lie in [0, {num_tokens}) (the input's tokens), got "
+                         f"[{int(positions.min())}, {int(positions.max())}]")

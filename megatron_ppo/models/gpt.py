@@ -5,10 +5,13 @@
 * critic: ``output_layer`` replaced by a scalar ``ValueHead`` -> one value per token.
 * reward: the critic's architecture; the score of a sequence is the value at its last token (``reward_scores``).
 
-Each call builds the current pipeline stage (pre/post process from megatron's parallel_state).
+Each call builds the current pipeline stage (pre/post process from megatron's parallel_state). The model is
+megatron's GPTModel plus one keyword, ``logit_positions`` (see ``_gpt_model_class``): the actor's and reference's
+log-probs only read the positions that predict response tokens, so the LM head runs only there.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -23,6 +26,69 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "critic", "reward", "reference")
 VALUE_ROLES = ("critic", "reward")
+LM_ROLES = ("actor", "reference")  # an LM head: they take ``logit_positions``
+
+
+@functools.cache
+def _gpt_model_class():
+    """megatron's GPTModel whose forward also takes ``logit_positions`` (built lazily: megatron imports are heavy).
+
+    ``logit_positions``: long [N], indices into the flattened (b-major) [B * S] input: the last stage runs the
+    output layer only on those positions' final hidden states and returns logits [1, N, V/TP] instead of
+    [B, S, V/TP]. For packed PPO micro-batches ~2/3 of the tokens are prompt, whose logits nothing reads; the LM
+    head (hidden x vocab, a fifth of a small model's FLOPs) and the vocab-wide log-softmax were spent on them.
+    None (the default): megatron's forward, unchanged (generation, value heads, callers without positions)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    class PPOGPTModel(GPTModel):
+        _logit_positions = None
+
+        def forward(self, *args, logit_positions: torch.Tensor | None = None, **kwargs):
+            if logit_positions is None:
+                return super().forward(*args, **kwargs)
+            for key in ("labels", "inference_context", "inference_params"):
+                if kwargs.get(key) is not None:
+                    raise ValueError(f"logit_positions cannot be combined with {key}")
+            if self.config.mtp_num_layers:
+                raise ValueError("logit_positions is not supported with multi-token prediction (mtp_num_layers)")
+            if logit_positions.dim() != 1:
+                raise ValueError(f"logit_positions must be 1-D [N], got shape {tuple(logit_positions.shape)}")
+            self._logit_positions = logit_positions  # read by _postprocess (megatron's forward calls it)
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                self._logit_positions = None
+
+        def _postprocess(self, hidden_states, *args, **kwargs):
+            if self._logit_positions is None or not self.post_process:
+                return super()._postprocess(hidden_states, *args, **kwargs)
+            return self._logits_at(hidden_states, self._logit_positions)
+
+        def _logits_at(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            """Final hidden [S(/TP under SP), B, H] -> logits [1, N, V/TP] at the flat b-major ``positions``.
+
+            Under sequence parallelism the hidden states are split over the sequence: all-gather them first (as
+            megatron's own output layer does, which then must not gather again); the backward of that gather
+            only splits, because the output layer's input-gradient all-reduce (non-SP mode) already sums the
+            vocab shards' contributions."""
+            layer = self.output_layer
+            sequence_parallel = layer.sequence_parallel
+            if sequence_parallel:
+                hidden_states = gather_from_sequence_parallel_region(
+                    hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp)
+            s, b, h = hidden_states.shape
+            flat = hidden_states.transpose(0, 1).reshape(b * s, h)
+            selected = flat.index_select(0, positions.to(flat.device)).unsqueeze(1)  # [N, 1, H]
+            weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+            layer.sequence_parallel = False  # (megatron's inference path does the same around its own gather)
+            try:
+                logits, _ = layer(selected, weight=weight)
+            finally:
+                layer.sequence_parallel = sequence_parallel
+            return logits.transpose(0, 1)  # [1, N, V/TP]
+
+    return PPOGPTModel
 
 
 def _recompute_kwargs(recompute) -> dict:
@@ -149,10 +215,10 @@ def build_gpt_model(
     this thread: it sets up the CPU platform layer on a CUDA-less torch; building a model never does).
 
     Critic/reward: ``output_layer`` is a ``ValueHead`` ([b, s, 1] fp32 values) and embeddings are never tied.
-    Reference: frozen. The model carries ``.arch`` and ``.role``.
+    Reference: frozen. The model carries ``.arch`` and ``.role``; actor/reference forwards take
+    ``logit_positions`` (``_gpt_model_class``).
     """
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     if role not in ROLES:
         raise ValueError(f"build_gpt_model: role={role!r} not in {ROLES}")
@@ -169,7 +235,7 @@ def build_gpt_model(
     pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     is_value_model = role in VALUE_ROLES
-    model = GPTModel(
+    model = _gpt_model_class()(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, transformer_impl),
         vocab_size=arch.padded_vocab_size(tp),

@@ -12,15 +12,21 @@ from megatron_ppo.algo.advantages import masked_mean
 from megatron_ppo.algo.losses import (agg_loss, compute_policy_loss, compute_policy_loss_bypass, compute_value_loss,
                                      kl_penalty)
 from megatron_ppo.models.logprobs import next_token_targets, vocab_parallel_logprobs_entropy
-from megatron_ppo.data.batch import gather_response
+from megatron_ppo.data.batch import at_logit_positions, gather_response
 
 
 def response_logprobs_entropy(logits, micro: dict, vocab_size: int, temperature: float):
-    """Log-probs and entropies of the response tokens, [b, R] each (vocab-parallel over TP)."""
+    """Log-probs and entropies of the response tokens, [b, R] each (vocab-parallel over TP).
+
+    logits: [1, N, V/TP] at the micro-batch's ``logit_positions`` (what the actor/reference models return for a
+    ``pack_rows`` micro-batch: the log-softmax then runs only there too), or [1, T, V/TP] at every packed position."""
     targets, _ = next_token_targets(micro["input_ids"], micro["cu_seqlens"])
+    selected = at_logit_positions(logits.shape[-2], micro)
+    if selected:
+        targets = targets.reshape(-1)[micro["logit_positions"]].reshape(logits.shape[:-1])
     log_probs, entropy = vocab_parallel_logprobs_entropy(logits, targets, vocab_size=vocab_size,
                                                          temperature=temperature)
-    return gather_response(log_probs, micro), gather_response(entropy, micro)
+    return gather_response(log_probs, micro, selected), gather_response(entropy, micro, selected)
 
 
 def logprob_output_fn(vocab_size: int, temperature: float):
