@@ -406,6 +406,12 @@ class PPOConfig:
     def use_reference(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    @property
+    def roles(self) -> list[str]:
+        """The roles this run builds, in start order: actor, then critic / ref / reward where enabled."""
+        return ["actor"] + (["critic"] if self.use_critic else []) + (["ref"] if self.use_reference else []) + (
+            ["reward"] if self.reward.reward_model.enable else [])
+
     def model_for(self, role: Literal["actor", "critic", "ref", "reward"]) -> ModelConfig:
         """The role's model config; a critic/ref without path and arch takes the actor's weights source."""
         own = {"actor": self.actor.model, "critic": self.critic.model, "ref": self.ref.model,

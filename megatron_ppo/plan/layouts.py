@@ -47,14 +47,12 @@ def _recompute(model) -> str:
 
 def role_specs(cfg, gpus: int | None = None) -> dict[str, RoleSpec]:
     """{role: RoleSpec} for the roles the run builds, at the configured layout on ``gpus`` (default: the world)."""
-    from megatron_ppo.trainer.groups import roles
-
     world = gpus or cfg.cluster.world_size
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     n = cfg.rollout.n
     batch = cfg.data.train_batch_size * n
     out = {}
-    for role in roles(cfg):
+    for role in cfg.roles:
         p = getattr(cfg.cluster, role)
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         dp = p.data_parallel_size or max(1, world // (tp * pp))

@@ -20,7 +20,6 @@ from megatron_ppo.data.tokenizer import gsm8k_tokenizer_dir, load_tokenizer
 from megatron_ppo.data.trajectory import TrajectoryWriter
 from megatron_ppo.rewards.batch import RewardScorer
 from megatron_ppo.trainer.groups import RoleGroups, build_groups
-from megatron_ppo.trainer.groups import roles as group_roles
 from megatron_ppo.trainer.hf_import import convert_for_roles
 from megatron_ppo.trainer.run_record import write_run_record
 from megatron_ppo.trainer.tracking import Tracker
@@ -161,7 +160,7 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
                                   temperature=cfg.rollout.temperature, tokenizer=tokenizer)
         dumper = lambda step, batch: writer.append(step, trajectory_rows(batch, tokenizer))  # noqa: E731
     eos = tokenizer.eos_token_id
-    convert_for_roles(cfg, group_roles(cfg))  # HF -> Megatron in this process, once, before any rank starts
+    convert_for_roles(cfg, cfg.roles)  # HF -> Megatron in this process, once, before any rank starts
     try:  # last: the groups are what needs closing
         groups = build_groups(cfg, vocab, total_steps, worker_classes)
     except BaseException:

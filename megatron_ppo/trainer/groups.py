@@ -25,15 +25,10 @@ WORKER_CLASSES = {"actor": "megatron_ppo.workers.actor:ActorWorker",
 FROZEN_ROLES = ("ref", "reward")  # no optimizer, no lr schedule, never checkpointed
 
 
-def roles(cfg) -> list[str]:
-    return ["actor"] + (["critic"] if cfg.use_critic else []) + (["ref"] if cfg.use_reference else []) + (
-        ["reward"] if cfg.reward.reward_model.enable else [])
-
-
 def layouts(cfg) -> dict[str, RankLayout]:
     """{role: RankLayout} from cluster.<role> (tensor/pipeline sizes, data_parallel_size or the world)."""
     out = {}
-    for role in roles(cfg):
+    for role in cfg.roles:
         p = getattr(cfg.cluster, role)
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         if p.data_parallel_size is None and cfg.cluster.launcher == "ray":

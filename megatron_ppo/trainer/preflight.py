@@ -176,17 +176,12 @@ def check_loggers(cfg) -> None:
                              "from trainer.logger")
 
 
-def _roles(cfg) -> list[str]:
-    return ["actor"] + (["critic"] if cfg.use_critic else []) + (["ref"] if cfg.use_reference else []) + (
-        ["reward"] if cfg.reward.reward_model.enable else [])
-
-
 def _model_key(role: str) -> str:
     return "reward.reward_model.model" if role == "reward" else f"{role}.model"
 
 
 def check_model_paths(cfg) -> None:
-    for role in _roles(cfg):
+    for role in cfg.roles:
         model = cfg.model_for(role)
         for attr in ("path", "tokenizer_path"):
             value = getattr(model, attr, None)
@@ -287,7 +282,7 @@ def describe_plan(cfg, checked: dict) -> str:
     c = cfg.cluster
     lines.append(f"cluster: launcher={c.launcher} device={c.device} nnodes={c.nnodes} "
                  f"n_gpus_per_node={c.n_gpus_per_node}")
-    for role in _roles(cfg):
+    for role in cfg.roles:
         p = getattr(c, role)
         model = cfg.model_for(role)
         source = model.path or ("inline arch" if model.arch is not None else "actor's architecture")
