@@ -70,6 +70,7 @@ class SamplingParams:
     drop_finished: bool = True  # finished rows leave the decode batch (results unchanged)
     compile_decode: bool = False  # torch.compile the one-token decode forward (module docstring)
     lean_decode: bool = True  # one-token steps through models.decode_step where the model allows it
+    packed_linears: bool = True  # ... with oneDNN-prepacked GEMM weights where possible (CPU fp32; decode_step)
 
     def __post_init__(self):
         if self.max_response_length < 1:
@@ -147,7 +148,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 class _StageRunner:
     """One forward step of this pipeline stage, passing hidden states between stages (PP > 1)."""
 
-    def __init__(self, model, batch_size, max_len, use_kv_cache, compile_decode=False, lean_decode=False):
+    def __init__(self, model, batch_size, max_len, use_kv_cache, compile_decode=False, lean_decode=False,
+                 packed_linears=False):
         from megatron.core import parallel_state as ps
         from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -163,7 +165,7 @@ class _StageRunner:
         self.compiled = _compiled_forward() if compile_decode and use_kv_cache else None
         self.lean = None
         if lean_decode and use_kv_cache and self.compiled is None and unsupported_reason(self.core) is None:
-            self.lean = DecodeStep(self.core, max_len)
+            self.lean = DecodeStep(self.core, max_len, batch_size, packed=packed_linears)
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None = None):
         """ids: [B, s] the tokens of this step; mask: megatron attention mask (True = masked) or None (causal).
@@ -397,7 +399,8 @@ def _generate_ragged(model, prompts, params, vocab, use_kv_cache):
         tokens[i, width - p.numel():width] = p.to(device)
     key_pad = torch.arange(total, device=device).unsqueeze(0) < (width - lengths).unsqueeze(1)  # [B, total]
     res = _Results(b, r, params, device)
-    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode, params.lean_decode)
+    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode, params.lean_decode,
+                          params.packed_linears)
     sampler = _Sampler(params, vocab, b, device)
     # original index of each row of the decode batch: longest prompts first, so length groups are contiguous
     rows = torch.argsort(lengths, descending=True, stable=True)
@@ -465,7 +468,8 @@ def _generate_aligned(model, prompts, params, vocab, use_kv_cache):
     for i, p in enumerate(prompts):
         tokens[i, :p.numel()] = p.to(device)
     res = _Results(b, r, params, device)
-    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode, params.lean_decode)
+    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode, params.lean_decode,
+                          params.packed_linears)
     sampler = _Sampler(params, vocab, b, device)
     rows = torch.arange(b, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)

@@ -1,8 +1,10 @@
 """The decode speed-ups are exact: keys RoPE-rotated once into the cache (``CachedRopeSelfAttention``) and the lean
-one-token step (``models.decode_step``) give bit-identical tokens and log-probs to megatron's own path (megatron's
-``SelfAttention``, which caches un-rotated keys and re-rotates the cache every step, through ``GPTModel.forward``),
-for Llama- and Qwen2-style (qkv bias) models, tied and untied, ragged and aligned prefill, greedy and sampled,
-rows leaving at eos; at TP2 / TP2+SP / PP2 too. A model the lean step does not cover falls back by name."""
+one-token step (``models.decode_step``) on the modules' own linears give bit-identical tokens and log-probs to
+megatron's own path (megatron's ``SelfAttention``, which caches un-rotated keys and re-rotates the cache every step,
+through ``GPTModel.forward``), for Llama- and Qwen2-style (qkv bias) and GELU-MHA models, tied and untied, ragged and
+aligned prefill, greedy and sampled, rows leaving at eos; at TP2 / TP2+SP / PP2 too. With oneDNN-prepacked GEMM
+weights (the CPU fp32 default) the same greedy tokens and log-probs to fp32 rounding (1e-5). A model the lean step
+does not cover falls back by name; one the packing does not cover (bf16) uses the modules' linears."""
 from __future__ import annotations
 
 import contextlib
@@ -40,13 +42,30 @@ def megatron_self_attention(model):
             m.__class__ = CachedRopeSelfAttention
 
 
+def _random_biases(model):
+    """megatron initialises biases to zero, which would hide a dropped bias: draw them (same on every rank)."""
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_((0.5 * torch.randn(p.shape, generator=g)).to(p.dtype))
+    return model
+
+
 def _three_ways(model, prompts, params):
-    """(lean step + rotated cache: the default, megatron forward + rotated cache, megatron's own path)."""
-    lean = generate(model, prompts, params)
+    """(lean step on the modules' linears + rotated cache, megatron forward + rotated cache, megatron's own path)."""
+    lean = generate(model, prompts, dataclasses.replace(params, packed_linears=False))
     full = generate(model, prompts, dataclasses.replace(params, lean_decode=False))
     with megatron_self_attention(model):
         megatron = generate(model, prompts, dataclasses.replace(params, lean_decode=False))
     return lean, full, megatron
+
+
+def _assert_close(a, b, atol=1e-5):
+    """oneDNN's GEMM sums in another order than MKL's: same greedy tokens, log-probs to fp32 rounding."""
+    assert torch.equal(a.responses, b.responses)
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=atol, rtol=0)
+    assert torch.equal(a.response_lengths, b.response_lengths) and torch.equal(a.finished, b.finished)
 
 
 def _assert_identical(a, b):
@@ -57,11 +76,12 @@ def _assert_identical(a, b):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("prefill", ["ragged", "aligned"])
-def test_lean_step_and_rotated_cache_are_bit_identical_to_megatron(megatron_single, arch, prefill):
+def test_lean_step_and_rotated_cache_are_bit_identical_to_megatron(megatron_single, arch, prefill, monkeypatch):
+    from megatron_ppo.models import decode_step
     from megatron_ppo.models.decode_step import unsupported_reason
     from megatron_ppo.models.gpt import build_gpt_model
 
-    model = build_gpt_model(tiny_arch(vocab_size=VOCAB, **ARCHS[arch]), "actor")
+    model = _random_biases(build_gpt_model(tiny_arch(vocab_size=VOCAB, **ARCHS[arch]), "actor"))
     assert unsupported_reason(model) is None  # the lean step really runs
     sampled = SamplingParams(max_response_length=12, temperature=0.8, seed=5, prefill=prefill)
     lean, full, megatron = _three_ways(model, _prompts(), sampled)
@@ -74,6 +94,29 @@ def test_lean_step_and_rotated_cache_are_bit_identical_to_megatron(megatron_sing
     assert bool(lean.finished.any())
     _assert_identical(lean, full)
     _assert_identical(lean, megatron)
+    # the default, oneDNN-prepacked GEMM weights (greedy: rounding cannot flip a sample)
+    packed_calls = []
+    real_call = decode_step._PackedLinear.__call__
+    monkeypatch.setattr(decode_step._PackedLinear, "__call__",
+                        lambda self, x: packed_calls.append(1) or real_call(self, x))  # counts, then runs it
+    greedy = generate(model, _prompts(), dataclasses.replace(sampled, greedy=True))
+    assert len(packed_calls) >= 11 * (4 * 2 + 1)  # 11 decode steps x (2 layers x 4 linears + output layer)
+    with megatron_self_attention(model):
+        greedy_megatron = generate(model, _prompts(), dataclasses.replace(sampled, greedy=True, lean_decode=False))
+    _assert_close(greedy, greedy_megatron)
+
+
+def test_packing_falls_back_to_the_modules_where_it_does_not_apply(megatron_single):
+    from megatron_ppo.models.decode_step import DecodeStep, onednn_packable
+    from megatron_ppo.models.gpt import build_gpt_model
+
+    fp32 = build_gpt_model(tiny_arch(vocab_size=VOCAB), "actor")
+    bf16 = build_gpt_model(tiny_arch(vocab_size=VOCAB), "actor", params_dtype=torch.bfloat16)
+    assert onednn_packable(fp32) and not onednn_packable(bf16)
+    assert DecodeStep(fp32, 32, 4).linears is not None and DecodeStep(bf16, 32, 4).linears is None
+    params = SamplingParams(max_response_length=6, greedy=True)
+    _assert_identical(generate(bf16, _prompts(), params),
+                      generate(bf16, _prompts(), dataclasses.replace(params, packed_linears=False)))
 
 
 def test_rotated_cache_holds_megatron_rotation_of_each_key(megatron_single):
@@ -121,14 +164,21 @@ def _job_layouts(rank, world, layout):
     tp, pp, sp = {"tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False)}[layout]
     parallel.initialize(tp=tp, pp=pp, seed=7)
     try:
-        model = build_gpt_model(tiny_arch(vocab_size=VOCAB, add_qkv_bias=True), "actor", sequence_parallel=sp)
+        model = _random_biases(build_gpt_model(tiny_arch(vocab_size=VOCAB, add_qkv_bias=True), "actor",
+                                               sequence_parallel=sp))
         params = SamplingParams(max_response_length=10, temperature=0.9, seed=3)
         lean, full, megatron = _three_ways(model, _prompts(), params)
+        greedy = dataclasses.replace(params, greedy=True)
+        packed = generate(model, _prompts(), greedy)
+        with megatron_self_attention(model):
+            packed_ref = generate(model, _prompts(), dataclasses.replace(greedy, lean_decode=False))
     finally:
         parallel.destroy(destroy_process_group=False)
     same = all(torch.equal(lean.responses, x.responses) and torch.equal(lean.log_probs, x.log_probs)
                for x in (full, megatron))
-    return {"same": same, "tokens": lean.responses}
+    close = torch.equal(packed.responses, packed_ref.responses) and float(
+        (packed.log_probs - packed_ref.log_probs).abs().max()) < 1e-5
+    return {"same": same, "close": close, "tokens": lean.responses, "packed": packed.responses}
 
 
 @pytest.mark.slow  # two ranks
@@ -136,4 +186,5 @@ def _job_layouts(rank, world, layout):
 def test_lean_step_is_bit_identical_on_two_ranks(dist_pool2, layout):
     r0, r1 = dist_pool2.run(_job_layouts, layout)
     assert r0["same"] and r1["same"]
-    assert torch.equal(r0["tokens"], r1["tokens"])
+    assert r0["close"] and r1["close"]  # oneDNN-packed GEMMs with megatron's TP collectives
+    assert torch.equal(r0["tokens"], r1["tokens"]) and torch.equal(r0["packed"], r1["packed"])
