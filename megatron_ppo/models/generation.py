@@ -30,7 +30,8 @@ enabled.
 
 Keys are cached RoPE-rotated (``attention.CachedRopeSelfAttention``: megatron re-rotates the whole cache every
 step) and one-token steps run through ``decode_step.DecodeStep`` (``lean_decode``: the same modules without
-``GPTModel.forward``'s scaffolding); both are bit-identical to megatron's path.
+``GPTModel.forward``'s scaffolding); both are bit-identical to megatron's path. On CPU in fp32 that step's GEMMs
+run on oneDNN-prepacked weights (``packed_linears``: 2.5x MKL's sgemm at 16 rows; log-probs to fp32 rounding).
 
 ``compile_decode`` (``rollout.use_torch_compile``) runs the one-token decode forwards through ``torch.compile``
 (dynamic shapes: the batch shrinks and the cache grows every step; prefill stays eager). Compiled code is cached per
