@@ -111,7 +111,8 @@ class _PackedLinear:
 class DecodeStep:
     """``step(x, mask, ctx)``: one decode forward of this stage. ``x``: token ids [B, 1] on the first stage, else
     the previous stage's hidden states [1, B, H]. ``mask``: megatron mask [B, 1, 1, sk] (True = masked) or None.
-    Returns [B, V] logits (gathered over TP) on the last stage, else hidden states [1, B, H] to send on."""
+    Returns what ``GPTModel.forward`` returns: [B, 1, V] logits (gathered over TP) on the last stage, else hidden
+    states [1, B, H] to send on."""
 
     def __init__(self, core, max_len: int, rows: int, packed: bool = True):
         self.core = core
@@ -137,7 +138,7 @@ class DecodeStep:
             logits, _ = self.linears["output"](h)
         else:
             logits, _ = core.output_layer(h, weight=self.output_weight, runtime_gather_output=True)
-        return logits[0]
+        return logits.transpose(0, 1)
 
     def _layer(self, layer, h, freqs, mask, ctx, pos):
         att = layer.self_attention

@@ -179,12 +179,7 @@ class _StageRunner:
             self.core.set_input_tensor(h)
         if self.lean is not None and s == 1:  # a decode step, lean
             out = self.lean(ids if self.first else h, mask, self.ctx)
-            self.ctx.sequence_len_offset += 1
-            if not self.last:
-                dist.send(out.contiguous(), dst=self.ps.get_pipeline_model_parallel_next_rank())
-                return None
-            return out
-        if self.compiled is not None and s == 1:  # a decode step
+        elif self.compiled is not None and s == 1:  # a decode step
             out = self.compiled(self.model, ids, mask, self.ctx)
         else:
             out = _forward(self.model, ids, mask, self.ctx)
