@@ -112,6 +112,9 @@ class ModelConfig:
     recompute_granularity: Optional[Literal["full", "selective"]] = field(None, "activation checkpointing; null: off")
     recompute_method: Optional[Literal["uniform", "block"]] = field(None, "required with recompute_granularity=full")
     recompute_num_layers: Optional[int] = field(None, "required with recompute_granularity=full")
+    cpu_gemm: Literal["onednn", "torch"] = field(
+        "onednn", "fp32 GEMMs of this role's passes on CPU: onednn (~2x MKL's sgemm on our AMD CPUs, "
+        "tools/bench_cpu_matmul.py; rounding-level differences) or torch's default (MKL); no effect on GPU", None)
 
 
 @dataclass
@@ -421,4 +424,5 @@ class PPOConfig:
         base = self.actor.model
         return ModelConfig(path=base.path, arch=base.arch, tokenizer_path=own.tokenizer_path or base.tokenizer_path,
                            dtype=own.dtype, recompute_granularity=own.recompute_granularity,
-                           recompute_method=own.recompute_method, recompute_num_layers=own.recompute_num_layers)
+                           recompute_method=own.recompute_method, recompute_num_layers=own.recompute_num_layers,
+                           cpu_gemm=own.cpu_gemm)

@@ -31,7 +31,8 @@ enabled.
 Keys are cached RoPE-rotated (``attention.CachedRopeSelfAttention``: megatron re-rotates the whole cache every
 step) and one-token steps run through ``decode_step.DecodeStep`` (``lean_decode``: the same modules without
 ``GPTModel.forward``'s scaffolding); both are bit-identical to megatron's path. On CPU in fp32 that step's GEMMs
-run on oneDNN-prepacked weights (``packed_linears``: 2.5x MKL's sgemm at 16 rows; log-probs to fp32 rounding).
+run on oneDNN-prepacked weights (``packed_linears``: 2.5x MKL's sgemm at 16 rows; log-probs to fp32 rounding), and
+the prefill forwards' GEMMs on oneDNN too (``ops.cpu_matmul``).
 
 ``compile_decode`` (``rollout.use_torch_compile``) runs the one-token decode forwards through ``torch.compile``
 (dynamic shapes: the batch shrinks and the cache grows every step; prefill stays eager). Compiled code is cached per
@@ -53,6 +54,7 @@ from torch.profiler import record_function
 
 from megatron_ppo.models.decode_step import DecodeStep, unsupported_reason
 from megatron_ppo.models.unwrap import unwrap_model
+from megatron_ppo.ops.cpu_matmul import onednn_matmul
 
 PREFILL_MODES = ("auto", "ragged", "aligned")
 
@@ -71,7 +73,8 @@ class SamplingParams:
     drop_finished: bool = True  # finished rows leave the decode batch (results unchanged)
     compile_decode: bool = False  # torch.compile the one-token decode forward (module docstring)
     lean_decode: bool = True  # one-token steps through models.decode_step where the model allows it
-    packed_linears: bool = True  # ... with oneDNN-prepacked GEMM weights where possible (CPU fp32; decode_step)
+    packed_linears: bool = True  # ... with oneDNN-prepacked GEMM weights where possible, and prefill GEMMs on
+    # oneDNN (CPU fp32; decode_step, ops.cpu_matmul)
 
     def __post_init__(self):
         if self.max_response_length < 1:
@@ -164,6 +167,7 @@ class _StageRunner:
         self.dtype = self.core.config.params_dtype
         self.device = next(self.core.parameters()).device
         self.compiled = _compiled_forward() if compile_decode and use_kv_cache else None
+        self.onednn = packed_linears  # prefill (and any non-lean forward) on oneDNN GEMMs too (ops/cpu_matmul.py)
         self.lean = None
         if lean_decode and use_kv_cache and self.compiled is None and unsupported_reason(self.core) is None:
             self.lean = DecodeStep(self.core, max_len, batch_size, packed=packed_linears)
@@ -182,7 +186,8 @@ class _StageRunner:
         elif self.compiled is not None and s == 1:  # a decode step
             out = self.compiled(self.model, ids, mask, self.ctx)
         else:
-            out = _forward(self.model, ids, mask, self.ctx)
+            with onednn_matmul(self.onednn):
+                out = _forward(self.model, ids, mask, self.ctx)
         if self.ctx is not None:
             self.ctx.sequence_len_offset += s
         if not self.last:

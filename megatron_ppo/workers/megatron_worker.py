@@ -6,6 +6,7 @@ to run on them, and run the PPO loops themselves.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -15,16 +16,22 @@ from megatron_ppo.models.generation import GenerationOutput, SamplingParams, gen
 from megatron_ppo.models.gpt import build_gpt_model
 from megatron_ppo.models.schedule import forward_backward
 from megatron_ppo.models.training import OptimizerSettings, build_optimizer, copy_weights, wrap_ddp
+from megatron_ppo.ops.cpu_matmul import onednn_matmul
 from megatron_ppo.parallel.platform import default_device
 
 
 class MegatronWorker:
     def __init__(self, role: str, arch, *, optim=None, total_steps: int = 1, params_dtype=torch.float32,
                  use_distributed_optimizer: bool = False, recompute: dict | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, cpu_gemm: str = "onednn"):
         """recompute: activation checkpointing as models.gpt.build_gpt_model takes it ({"granularity", "method",
-        "num_layers"}); use_distributed_optimizer: Megatron's DistributedOptimizer (state sharded over DP)."""
+        "num_layers"}); use_distributed_optimizer: Megatron's DistributedOptimizer (state sharded over DP);
+        cpu_gemm: "onednn" runs the fp32 CPU GEMMs of forward and train_step on oneDNN (ops/cpu_matmul.py),
+        "torch" leaves them to torch (MKL)."""
+        if cpu_gemm not in ("onednn", "torch"):
+            raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {cpu_gemm!r}")
         self.role = role
+        self.cpu_gemm = cpu_gemm
         self.model = build_gpt_model(arch, role=role, params_dtype=params_dtype, recompute=recompute,
                                      sequence_parallel=sequence_parallel)
         self.ddp = self.optimizer = self.scheduler = None
@@ -40,14 +47,17 @@ class MegatronWorker:
         return self.ddp if self.ddp is not None else self.model
 
     def generate(self, prompt_ids: list[torch.Tensor], params: SamplingParams) -> GenerationOutput:
+        if self.cpu_gemm != "onednn":  # this role's GEMM choice covers its rollouts too
+            params = dataclasses.replace(params, packed_linears=False)
         return generate(self.module, prompt_ids, params)
 
     @torch.no_grad()
     def forward(self, micro_batches: list[dict], output_fn) -> list[dict]:
         """output_fn(model_output, micro_batch) -> dict of tensors, per micro-batch (no gradients)."""
         self.module.eval()
-        return forward_backward(self.module, micro_batches, lambda out, mb: (out.new_zeros(()), output_fn(out, mb)),
-                                forward_only=True)
+        with onednn_matmul(self.cpu_gemm == "onednn"):
+            return forward_backward(self.module, micro_batches,
+                                    lambda out, mb: (out.new_zeros(()), output_fn(out, mb)), forward_only=True)
 
     def train_step(self, micro_batches: list[dict], loss_fn, skip_step=None) -> dict:
         """One optimizer step over the micro-batches.
@@ -73,8 +83,9 @@ class MegatronWorker:
             losses.append(loss.detach().float())
             return loss, metrics
 
-        per_micro = [{key: float(value) for key, value in m.items()}
-                     for m in forward_backward(self.ddp, micro_batches, recording_loss_fn)]
+        with onednn_matmul(self.cpu_gemm == "onednn"):
+            per_micro = [{key: float(value) for key, value in m.items()}
+                         for m in forward_backward(self.ddp, micro_batches, recording_loss_fn)]
         loss = float(torch.stack(losses).sum()) if losses else 0.0  # losses live on the last pipeline stage
         result = {"micro": per_micro, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
         if skip_step is not None and skip_step(per_micro):

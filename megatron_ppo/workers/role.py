@@ -48,7 +48,8 @@ class RoleWorker(MegatronWorker):
                          optim=role_cfg.optim if self.TRAINABLE else None, total_steps=total_steps,
                          params_dtype=build.params_dtype(cfg, self.ROLE),
                          use_distributed_optimizer=par.use_distributed_optimizer if self.TRAINABLE else False,
-                         recompute=build.recompute(cfg, self.ROLE), sequence_parallel=par.sequence_parallel)
+                         recompute=build.recompute(cfg, self.ROLE), sequence_parallel=par.sequence_parallel,
+                         cpu_gemm=cfg.model_for(self.ROLE).cpu_gemm)
         # sequence parallelism splits the packed row over TP: every sequence padded to a multiple of TP
         self.align = parallel.tp_size() if par.sequence_parallel and parallel.tp_size() > 1 else 1
         path = cfg.model_for(self.ROLE).path
