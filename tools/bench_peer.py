@@ -83,24 +83,25 @@ def write_prompts(n: int) -> tuple[Path, Path]:
 
 
 def ours_config(hf_dir: Path, parquet: Path, n: int, new_tokens: int, steps: int, run_dir: Path,
-                bypass: bool = False) -> Path:
+                bypass: bool = False, micro: int | None = None) -> Path:
     """Our run's config; ``bypass``: algorithm.rollout_correction.bypass_mode (the rollout's log-probs are the old
     log-probs, as TRL's PPOTrainer takes them; verl's default, like ours, recomputes them)."""
     import yaml
 
+    micro = micro or n
     cfg = {
         "data": {"train_files": [str(parquet)], "val_files": [], "max_prompt_length": 1024,
                  "max_response_length": new_tokens, "train_batch_size": n, "shuffle": False,
                  "filter_overlong_prompts": False},
         "actor": {"model": {"path": str(hf_dir), "dtype": "float32"}, "optim": {"lr": 1.0e-6},
-                  "ppo_mini_batch_size": n, "ppo_micro_batch_size_per_gpu": n, "ppo_epochs": 1,
+                  "ppo_mini_batch_size": n, "ppo_micro_batch_size_per_gpu": micro, "ppo_epochs": 1,
                   "use_kl_loss": True, "kl_loss_coef": 0.001},
         "critic": {"model": {"dtype": "float32"}, "optim": {"lr": 1.0e-6}, "ppo_mini_batch_size": n,
-                   "ppo_micro_batch_size_per_gpu": n, "ppo_epochs": 1},
-        "ref": {"model": {"dtype": "float32"}, "log_prob_micro_batch_size_per_gpu": n},
+                   "ppo_micro_batch_size_per_gpu": micro, "ppo_epochs": 1},
+        "ref": {"model": {"dtype": "float32"}, "log_prob_micro_batch_size_per_gpu": micro},
         "reward": {"method": "strict"},
         "rollout": {"mode": "online", "n": 1, "temperature": 1.0, "top_p": 1.0,
-                    "log_prob_micro_batch_size_per_gpu": n},
+                    "log_prob_micro_batch_size_per_gpu": micro},
         "algorithm": {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95,
                       "rollout_correction": {"bypass_mode": bypass}},
         "trainer": {"total_epochs": steps, "total_training_steps": steps, "val_before_train": False,
@@ -114,12 +115,12 @@ def ours_config(hf_dir: Path, parquet: Path, n: int, new_tokens: int, steps: int
     return path
 
 
-def run_ours(hf_dir, parquet, n, new_tokens, steps, threads, tag, bypass=False) -> dict:
+def run_ours(hf_dir, parquet, n, new_tokens, steps, threads, tag, bypass=False, micro=None) -> dict:
     import shutil
 
     run_dir = BUILD / "runs" / tag
     shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = ours_config(hf_dir, parquet, n, new_tokens, steps, run_dir, bypass)
+    cfg = ours_config(hf_dir, parquet, n, new_tokens, steps, run_dir, bypass, micro)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MEGATRON_PPO_NUM_THREADS": str(threads)}
     rc, wall, peak = run_measured([str(REPO / ".venv" / "bin" / "megatron-ppo"), "train", "--config", str(cfg)],
                                   run_dir / "stderr.log", env=env)
@@ -139,7 +140,7 @@ def run_ours(hf_dir, parquet, n, new_tokens, steps, threads, tag, bypass=False) 
     return {"steps": steps_out, "peak_rss_gb": peak, "wall_s": wall}
 
 
-def run_trl(venv_py, hf_dir, jsonl, new_tokens, steps, threads, tag) -> dict:
+def run_trl(venv_py, hf_dir, jsonl, new_tokens, steps, threads, tag, micro=None) -> dict:
     out_dir = BUILD / "runs" / tag
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "trl.json"
@@ -147,7 +148,8 @@ def run_trl(venv_py, hf_dir, jsonl, new_tokens, steps, threads, tag) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
     rc, wall, peak = run_measured([str(venv_py), str(REPO / "tools" / "peer_trl_ppo.py"), "--hf-dir", str(hf_dir),
                                    "--prompts", str(jsonl), "--steps", str(steps), "--response-length",
-                                   str(new_tokens), "--threads", str(threads), "--out", str(out)],
+                                   str(new_tokens), "--threads", str(threads), "--out", str(out)]
+                                  + (["--micro-batch", str(micro)] if micro else []),
                                   out_dir / "stderr.log", env=env)
     if rc != 0 or not out.exists():
         return {"error": f"TRL exited {rc}: ...{(out_dir / 'stderr.log').read_text()[-1500:]}", "peak_rss_gb": peak}
@@ -161,13 +163,18 @@ def median_steps(runs: list[dict], key: str) -> float:
 
 
 def ppo_section(results: dict) -> str:
-    lines = [f"Produced by `{results['command']}`.", ""]
+    lines = []
     for case, res in results["cases"].items():
         n, r = case.split("x")
         trl = res["trl"]
         variants = [(label, res[key]) for key, label in OURS_VARIANTS.items() if res.get(key)]
         errors = [x["error"] for x in trl + [r for _, runs in variants for r in runs] if "error" in x]
-        lines += [f"#### {n} prompts x <= {r} new tokens", ""]
+        micro = res.get("micro_batch", int(n))
+        lines += [f"#### {n} prompts x <= {r} new tokens", "",
+                  f"Produced by `{res.get('command', results.get('command', '?'))}`; "
+                  + ("the whole batch in one micro-batch on both sides." if micro == int(n) else
+                     f"micro-batches of {micro} rows on both sides (TRL: per-device batch {micro} x "
+                     f"{int(n) // micro} gradient-accumulation steps, rollout forward batch {micro})."), ""]
         if errors:
             lines += ["Failed runs:", "", *[f"    {e.splitlines()[-1] if e.splitlines() else e}" for e in errors], ""]
         lines += ["| metric | TRL PPOTrainer | " + " | ".join(f"{label} | / TRL" for label, _ in variants) + " |",
@@ -200,6 +207,9 @@ def main(argv=None) -> int:
                     help="the generation table also times ours with rollout.use_torch_compile")
     ap.add_argument("--ours", nargs="+", default=list(OURS_VARIANTS), choices=list(OURS_VARIANTS),
                     help="our PPO-step variants timed against TRL")
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="rows per forward/backward micro-batch on both sides (TRL: per-device batch with gradient "
+                         "accumulation, and its rollout forward batch); default: the whole batch in one")
     ap.add_argument("--skip-ppo", action="store_true", help="generation table only")
     ap.add_argument("--skip-gen", action="store_true", help="PPO table only")
     ap.add_argument("--note", default="", help="a paragraph added to the page (e.g. what a run left out and why)")
@@ -232,6 +242,9 @@ def main(argv=None) -> int:
         venv_py = ensure_peer_venv()
         for case in args.cases:
             n, new_tokens = (int(x) for x in case.split("x"))
+            micro = min(args.micro_batch, n) if args.micro_batch else None
+            if micro and n % micro:
+                raise SystemExit(f"--micro-batch {micro} does not divide {n} prompts")
             parquet, jsonl = write_prompts(n)
             res = {"trl": [], **{v: [] for v in args.ours}}
             loads = []
@@ -240,14 +253,20 @@ def main(argv=None) -> int:
                 for who in order:
                     loads.append(os.getloadavg()[0])
                     tag = f"{case}-{who}-{pair}"
-                    r = (run_trl(venv_py, hf_dir, jsonl, new_tokens, args.steps, args.threads, tag) if who == "trl"
-                         else run_ours(hf_dir, parquet, n, new_tokens, args.steps, args.threads, tag,
-                                       bypass=who == "ours_bypass"))
+                    r = (run_trl(venv_py, hf_dir, jsonl, new_tokens, args.steps, args.threads, tag, micro)
+                         if who == "trl" else
+                         run_ours(hf_dir, parquet, n, new_tokens, args.steps, args.threads, tag,
+                                  bypass=who == "ours_bypass", micro=micro))
                     res[who].append(r)
                     print(f"{case} pair {pair} {who}: {json.dumps(r)[:400]}", flush=True)
             res["load"] = f"{min(loads):.1f}-{max(loads):.1f}"
+            res["micro_batch"] = micro or n
+            res["command"] = "python tools/bench_peer.py " + " ".join(sys.argv[1:] if argv is None else argv)
             ppo[case] = res
-        ppo = {"command": "python tools/bench_peer.py " + " ".join(sys.argv[1:]), "cases": ppo}
+        # cases measured by earlier runs stay on the page, each with the command that measured it
+        earlier = json.loads((BUILD / "ppo.json").read_text()) if (BUILD / "ppo.json").exists() else {}
+        ppo = {"cases": {**{c: {"command": earlier.get("command", "?"), **r}
+                            for c, r in earlier.get("cases", {}).items()}, **ppo}}
         (BUILD / "ppo.json").write_text(json.dumps(ppo, indent=1))
     text = render(args, gen, ppo, gen_markdown)
     Path(args.out).write_text(text)

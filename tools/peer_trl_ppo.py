@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--response-length", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward (gradient "
+                    "accumulation over the batch) and per rollout forward; default: the whole batch")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
@@ -87,9 +89,13 @@ def main(argv=None) -> int:
                 phases[key] = 0.0
 
     out_dir = tempfile.mkdtemp(prefix="trl-ppo-")
-    cfg = PPOConfig(output_dir=out_dir, per_device_train_batch_size=n, gradient_accumulation_steps=1,
+    micro = args.micro_batch or n
+    if n % micro:
+        raise SystemExit(f"--micro-batch {micro} does not divide the {n} prompts")
+    # one optimizer step per PPO step over all n rows (local batch = micro x accumulation x 1 mini-batch)
+    cfg = PPOConfig(output_dir=out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
                     num_mini_batches=1, num_ppo_epochs=1, response_length=args.response_length,
-                    total_episodes=n * args.steps, local_rollout_forward_batch_size=n, temperature=1.0,
+                    total_episodes=n * args.steps, local_rollout_forward_batch_size=micro, temperature=1.0,
                     stop_token="eos", missing_eos_penalty=None, num_sample_generations=0, use_cpu=True,
                     report_to=[], save_strategy="no", logging_steps=1, learning_rate=1e-6, seed=1,
                     dataloader_num_workers=0, bf16=False, fp16=False,

@@ -167,7 +167,8 @@ class _StageRunner:
         self.dtype = self.core.config.params_dtype
         self.device = next(self.core.parameters()).device
         self.compiled = _compiled_forward() if compile_decode and use_kv_cache else None
-        self.onednn = packed_linears  # prefill (and any non-lean forward) on oneDNN GEMMs too (ops/cpu_matmul.py)
+        # prefill (and any non-lean forward) on oneDNN GEMMs too (ops/cpu_matmul.py), CPU only
+        self.onednn = packed_linears and self.device.type == "cpu"
         self.lean = None
         if lean_decode and use_kv_cache and self.compiled is None and unsupported_reason(self.core) is None:
             self.lean = DecodeStep(self.core, max_len, batch_size, packed=packed_linears)

@@ -34,6 +34,8 @@ class MegatronWorker:
         self.cpu_gemm = cpu_gemm
         self.model = build_gpt_model(arch, role=role, params_dtype=params_dtype, recompute=recompute,
                                      sequence_parallel=sequence_parallel)
+        # the dispatch mode costs a Python call per aten op: only where its GEMMs can gain (CPU)
+        self.onednn = cpu_gemm == "onednn" and next(self.model.parameters()).device.type == "cpu"
         self.ddp = self.optimizer = self.scheduler = None
         if optim is not None:
             self.ddp = wrap_ddp(self.model, use_distributed_optimizer=use_distributed_optimizer)
@@ -55,7 +57,7 @@ class MegatronWorker:
     def forward(self, micro_batches: list[dict], output_fn) -> list[dict]:
         """output_fn(model_output, micro_batch) -> dict of tensors, per micro-batch (no gradients)."""
         self.module.eval()
-        with onednn_matmul(self.cpu_gemm == "onednn"):
+        with onednn_matmul(self.onednn):
             return forward_backward(self.module, micro_batches,
                                     lambda out, mb: (out.new_zeros(()), output_fn(out, mb)), forward_only=True)
 
@@ -83,7 +85,7 @@ class MegatronWorker:
             losses.append(loss.detach().float())
             return loss, metrics
 
-        with onednn_matmul(self.cpu_gemm == "onednn"):
+        with onednn_matmul(self.onednn):
             per_micro = [{key: float(value) for key, value in m.items()}
                          for m in forward_backward(self.ddp, micro_batches, recording_loss_fn)]
         loss = float(torch.stack(losses).sum()) if losses else 0.0  # losses live on the last pipeline stage
