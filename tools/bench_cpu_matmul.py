@@ -14,15 +14,13 @@ the log-prob and gradient-norm differences between the two show the rounding-lev
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
-from bench_response_logits import ARCHS, make_batch
+from bench_response_logits import ARCHS, ZERO_LR_OPTIM, actor_fns, make_batch, worker_bench_args
 
 
 def _median_s(fn, calls: int = 5) -> float:
@@ -60,23 +58,12 @@ def gemm_table(arch: dict, tokens: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", choices=sorted(ARCHS), default="smollm2-135m")
-    ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--prompt", type=int, default=143, help="mean prompt tokens (GSM8K-like)")
-    ap.add_argument("--response", type=int, default=77, help="mean response tokens")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--json", default=None, help="also write the raw measurements here")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = worker_bench_args(__doc__.splitlines()[0])
 
     from megatron_ppo import parallel
-    from megatron_ppo.config import load_config
     from megatron_ppo.data.batch import pack_rows
     from megatron_ppo.models.arch import ModelArch
     from megatron_ppo.ops.cpu_matmul import onednn_available
-    from megatron_ppo.trainer.losses import actor_loss_fn, logprob_output_fn
     from megatron_ppo.workers.megatron_worker import MegatronWorker
 
     if not onednn_available():
@@ -89,17 +76,11 @@ def main() -> None:
     print(f"{args.arch}: {args.rows} rows, T = {tokens} packed tokens; {args.threads} threads\n", flush=True)
     gemms = gemm_table(ARCHS[args.arch], tokens)
 
-    optim = SimpleNamespace(lr=0.0, weight_decay=0.0, betas=[0.9, 0.999], clip_grad=1.0, lr_warmup_steps=0,
-                            lr_warmup_steps_ratio=0.0, lr_warmup_init=0.0, lr_decay_steps=None,
-                            lr_decay_style="constant", min_lr=0.0)
     workers = {}
     for gemm in ("torch", "onednn"):
         parallel.seed_everything(1)  # both start from the same weights
-        workers[gemm] = MegatronWorker("actor", arch, optim=optim, cpu_gemm=gemm)
-    actor_cfg = load_config("tiny_cpu", ["actor.entropy_coeff=0.01", "actor.use_kl_loss=true"]).actor
-    loss_fn = actor_loss_fn(actor_cfg, vocab_size=arch.vocab_size, temperature=1.0,
-                            mini_batch_tokens=int(batch.loss_mask.sum()), mini_batch_seqs=batch.size)
-    output_fn = logprob_output_fn(arch.vocab_size, 1.0)
+        workers[gemm] = MegatronWorker("actor", arch, optim=ZERO_LR_OPTIM, cpu_gemm=gemm)
+    loss_fn, output_fn = actor_fns(arch, batch)
     small = pack_rows(batch, [0, 1], ("old_log_probs", "advantages", "ref_log_probs"))
     for worker in workers.values():  # warm-up: Adam's state, oneDNN's primitive cache
         worker.forward([small], output_fn)

@@ -83,8 +83,15 @@ def make_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0)
     return RolloutBatch(prompts, responses, mask, tensors)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# Adam with lr 0: every round of a benchmark sees the same weights
+ZERO_LR_OPTIM = SimpleNamespace(lr=0.0, weight_decay=0.0, betas=[0.9, 0.999], clip_grad=1.0, lr_warmup_steps=0,
+                                lr_warmup_steps_ratio=0.0, lr_warmup_init=0.0, lr_decay_steps=None,
+                                lr_decay_style="constant", min_lr=0.0)
+
+
+def worker_bench_args(description: str):
+    """The command line shared by the one-micro-batch worker benchmarks (this one, bench_cpu_matmul.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--arch", choices=sorted(ARCHS), default="smollm2-135m")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=143, help="mean prompt tokens (GSM8K-like: ~65 %% of a row)")
@@ -94,28 +101,37 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the raw measurements here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    return args
+
+
+def actor_fns(arch, batch):
+    """(loss_fn, output_fn): the PPO actor loss (entropy and KL loss on) over ``batch`` as one mini-batch, and the
+    log-prob pass's output function."""
+    from megatron_ppo.config import load_config
+    from megatron_ppo.trainer.losses import actor_loss_fn, logprob_output_fn
+
+    actor_cfg = load_config("tiny_cpu", ["actor.entropy_coeff=0.01", "actor.use_kl_loss=true"]).actor
+    loss_fn = actor_loss_fn(actor_cfg, vocab_size=arch.vocab_size, temperature=1.0,
+                            mini_batch_tokens=int(batch.loss_mask.sum()), mini_batch_seqs=batch.size)
+    return loss_fn, logprob_output_fn(arch.vocab_size, 1.0)
+
+
+def main() -> None:
+    args = worker_bench_args(__doc__.splitlines()[0])
 
     from megatron_ppo import parallel
-    from megatron_ppo.config import load_config
     from megatron_ppo.data.batch import pack_rows
     from megatron_ppo.models.arch import ModelArch
-    from megatron_ppo.trainer.losses import actor_loss_fn, logprob_output_fn
     from megatron_ppo.workers.megatron_worker import MegatronWorker
 
     parallel.initialize(tp=1, pp=1, seed=1)
     arch = ModelArch(**ARCHS[args.arch])
-    optim = SimpleNamespace(lr=0.0, weight_decay=0.0, betas=[0.9, 0.999], clip_grad=1.0, lr_warmup_steps=0,
-                            lr_warmup_steps_ratio=0.0, lr_warmup_init=0.0, lr_decay_steps=None,
-                            lr_decay_style="constant", min_lr=0.0)
-    worker = MegatronWorker("actor", arch, optim=optim)  # lr 0: both paths see the same weights every round
+    worker = MegatronWorker("actor", arch, optim=ZERO_LR_OPTIM)  # lr 0: both paths see the same weights every round
     batch = make_batch(args.rows, args.prompt, args.response, arch.vocab_size)
     micro = pack_rows(batch, list(range(batch.size)), ("old_log_probs", "advantages", "ref_log_probs"))
     full = {k: v for k, v in micro.items() if k not in ("logit_positions", "logit_index")}
     tokens, selected = micro["input_ids"].numel(), micro["logit_positions"].numel()
-    actor_cfg = load_config("tiny_cpu", ["actor.entropy_coeff=0.01", "actor.use_kl_loss=true"]).actor
-    loss_fn = actor_loss_fn(actor_cfg, vocab_size=arch.vocab_size, temperature=1.0,
-                            mini_batch_tokens=int(batch.loss_mask.sum()), mini_batch_seqs=batch.size)
-    output_fn = logprob_output_fn(arch.vocab_size, 1.0)
+    loss_fn, output_fn = actor_fns(arch, batch)
     print(f"{args.arch}: {sum(p.numel() for p in worker.model.parameters()) / 1e6:.1f} M parameters; {args.rows} rows, "
           f"T = {tokens} packed tokens, {selected} logit positions ({selected / tokens:.0%})", flush=True)
 
