@@ -20,22 +20,28 @@ from megatron_ppo.ops.cpu_matmul import onednn_matmul
 from megatron_ppo.parallel.platform import default_device
 
 
+# cpu_gemm="auto": oneDNN from this hidden size up. Measured (tools/bench_cpu_matmul.py): hidden 64 (the tests' tiny
+# model) 1.1-1.5x slower with the routing, SmolLM2-135M's 576 0.6x the time.
+ONEDNN_MIN_HIDDEN = 512
+
+
 class MegatronWorker:
     def __init__(self, role: str, arch, *, optim=None, total_steps: int = 1, params_dtype=torch.float32,
                  use_distributed_optimizer: bool = False, recompute: dict | None = None,
-                 sequence_parallel: bool = False, cpu_gemm: str = "onednn"):
+                 sequence_parallel: bool = False, cpu_gemm: str = "auto"):
         """recompute: activation checkpointing as models.gpt.build_gpt_model takes it ({"granularity", "method",
         "num_layers"}); use_distributed_optimizer: Megatron's DistributedOptimizer (state sharded over DP);
         cpu_gemm: "onednn" runs the fp32 CPU GEMMs of forward and train_step on oneDNN (ops/cpu_matmul.py),
-        "torch" leaves them to torch (MKL)."""
-        if cpu_gemm not in ("onednn", "torch"):
-            raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {cpu_gemm!r}")
+        "torch" leaves them to torch (MKL), "auto" is onednn from hidden size ONEDNN_MIN_HIDDEN up."""
+        if cpu_gemm not in ("auto", "onednn", "torch"):
+            raise ValueError(f"cpu_gemm must be 'auto', 'onednn' or 'torch', got {cpu_gemm!r}")
         self.role = role
         self.cpu_gemm = cpu_gemm
         self.model = build_gpt_model(arch, role=role, params_dtype=params_dtype, recompute=recompute,
                                      sequence_parallel=sequence_parallel)
-        # the dispatch mode costs a Python call per aten op: only where its GEMMs can gain (CPU)
-        self.onednn = cpu_gemm == "onednn" and next(self.model.parameters()).device.type == "cpu"
+        # the dispatch mode costs a Python call per aten op: only where its GEMMs can gain (CPU, not a toy model)
+        self.onednn = next(self.model.parameters()).device.type == "cpu" and (
+            cpu_gemm == "onednn" or (cpu_gemm == "auto" and arch.hidden_size >= ONEDNN_MIN_HIDDEN))
         self.ddp = self.optimizer = self.scheduler = None
         if optim is not None:
             self.ddp = wrap_ddp(self.model, use_distributed_optimizer=use_distributed_optimizer)
@@ -49,7 +55,7 @@ class MegatronWorker:
         return self.ddp if self.ddp is not None else self.model
 
     def generate(self, prompt_ids: list[torch.Tensor], params: SamplingParams) -> GenerationOutput:
-        if self.cpu_gemm != "onednn":  # this role's GEMM choice covers its rollouts too
+        if self.cpu_gemm == "torch":  # this role's GEMM choice covers its rollouts too
             params = dataclasses.replace(params, packed_linears=False)
         return generate(self.module, prompt_ids, params)
 

@@ -91,7 +91,7 @@ def test_generation_on_gpu_kv_cache_equals_recompute(megatron_single):
 
 
 def test_cpu_gemm_routing_stays_off_on_gpu(megatron_single, monkeypatch):
-    """cpu_gemm=onednn (the default) must not put its per-op Python dispatch mode on a GPU worker's passes."""
+    """cpu_gemm=onednn must not put its per-op Python dispatch mode on a GPU worker's passes."""
     from megatron_ppo.models.generation import SamplingParams
     from megatron_ppo.ops import cpu_matmul
     from megatron_ppo.workers.megatron_worker import MegatronWorker
@@ -99,7 +99,7 @@ def test_cpu_gemm_routing_stays_off_on_gpu(megatron_single, monkeypatch):
     entered = []
     real = cpu_matmul._OneDNNMatmul.__enter__
     monkeypatch.setattr(cpu_matmul._OneDNNMatmul, "__enter__", lambda self: entered.append(1) or real(self))
-    worker = MegatronWorker("actor", tiny_arch(), params_dtype=torch.bfloat16)
+    worker = MegatronWorker("actor", tiny_arch(), params_dtype=torch.bfloat16, cpu_gemm="onednn")
     assert not worker.onednn
     worker.generate(_seqs(512, (9, 5)), SamplingParams(max_response_length=4, greedy=True))
     assert entered == []

@@ -105,5 +105,17 @@ def test_unknown_cpu_gemm_is_refused(megatron_single):
     from megatron_ppo.models.arch import tiny_arch
     from megatron_ppo.workers.megatron_worker import MegatronWorker
 
-    with pytest.raises(ValueError, match="cpu_gemm must be 'onednn' or 'torch', got 'mkl'"):
+    with pytest.raises(ValueError, match="cpu_gemm must be 'auto', 'onednn' or 'torch', got 'mkl'"):
         MegatronWorker("actor", tiny_arch(), cpu_gemm="mkl")
+
+
+@pytest.mark.parametrize("hidden, routed_expected", [(64, False), (512, True)])
+def test_auto_routes_from_hidden_size_512(megatron_single, hidden, routed_expected):
+    from megatron_ppo.models.arch import tiny_arch
+    from megatron_ppo.workers.megatron_worker import MegatronWorker
+
+    arch = tiny_arch(hidden_size=hidden, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=2 * hidden,
+                     num_layers=1)
+    assert MegatronWorker("actor", arch).onednn is routed_expected  # "auto" is the default
+    assert MegatronWorker("actor", arch, cpu_gemm="onednn").onednn
+    assert not MegatronWorker("actor", arch, cpu_gemm="torch").onednn
