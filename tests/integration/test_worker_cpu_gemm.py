@@ -1,4 +1,4 @@
-"""``<role>.model.cpu_gemm``: a MegatronWorker with oneDNN GEMMs (the default) computes what the torch/MKL one does
+"""``<role>.model.cpu_gemm``: a MegatronWorker with oneDNN GEMMs (cpu_gemm=onednn) computes what the torch/MKL one does
 to fp32 rounding (log-probs, loss, gradient norm, the weights after an Adam step, a rollout), its forward, backward
 and prefill GEMMs really go to oneDNN, and ``cpu_gemm=torch`` sends none there. Real megatron-core, one rank."""
 from __future__ import annotations
