@@ -373,7 +373,8 @@ def _cluster(cfg: PPOConfig, errs: _Errors) -> None:
     c = cfg.cluster
     errs.positive("cluster.nnodes", c.nnodes)
     errs.positive("cluster.n_gpus_per_node", c.n_gpus_per_node)
-    errs.positive("cluster.num_cpus_per_rank", c.num_cpus_per_rank)
+    if c.num_cpus_per_rank != "auto":
+        errs.positive("cluster.num_cpus_per_rank", c.num_cpus_per_rank)
     errs.check(c.num_gpus_per_rank is None or c.num_gpus_per_rank >= 0, "cluster.num_gpus_per_rank",
                f"must be >= 0 or null, got {c.num_gpus_per_rank}")
     errs.positive("cluster.collective_timeout_s", c.collective_timeout_s)

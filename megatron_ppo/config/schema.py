@@ -319,7 +319,8 @@ class TrainerConfig:
     test_freq: int = field(-1, "validate every N steps; -1: off")
     val_before_train: bool = field(True, "validate once before the first step")
     log_val_generations: int = field(0, "validation generations written to the logs")
-    balance_batch: bool = field(True, "balance tokens across data-parallel ranks")
+    balance_batch: bool = field(True, "balance tokens across data-parallel ranks in every DP split (generation, "
+                                "forward passes, updates); false: contiguous blocks of rows")
     seed: int = field(42, "seed of model init, dropout and sampling")
     project_name: str = field("megatron_ppo", "tracking project")
     experiment_name: str = field("default", "tracking run name")
@@ -362,7 +363,10 @@ class ClusterConfig:
     placement: Literal["colocated", "split"] = field("colocated", "colocated: the roles share the same bundles (rank "
                                                      "r of every role on bundle r); split: a pool per role", None)
     ray_address: Optional[str] = field(None, "Ray cluster to join; null: $RAY_ADDRESS, else a local cluster", None)
-    num_cpus_per_rank: float = field(1.0, "CPUs in one rank's bundle (colocated roles share it)", None)
+    num_cpus_per_rank: Union[float, Literal["auto"]] = field(
+        "auto", "CPUs in one rank's bundle, its torch thread count (colocated roles share it); auto: the node's CPUs "
+        "over the bundles placed on it (at least 1; on a Ray cluster joined, its nodes' CPUs; launcher=local: all "
+        "of this process's CPUs)", None)
     num_gpus_per_rank: Optional[float] = field(None, "GPUs in one rank's bundle; null: 1 on cuda, 0 on cpu", None)
     collective_timeout_s: float = field(120.0, "torch.distributed timeout: the backstop for a rank that never joins "
                                         "a collective (a dead rank is detected at once)", None)

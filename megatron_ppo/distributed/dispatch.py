@@ -4,6 +4,7 @@ Pure functions. Balancing is the Karmarkar-Karp largest differencing method of `
 balances its batches), with equal row counts per replica (DP collectives and pipeline schedules want the same
 number of micro-batches everywhere): when the row count is not a multiple of dp, the counts differ by at most one.
 Each shard lists its rows in ascending original order; ``restore_rows`` inverts the permutation.
+``balance=False`` (``trainer.balance_batch=false``) splits into contiguous blocks of rows instead, the same counts.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from megatron_ppo.data.dynamic_batch import karmarkar_karp, restore_order, token
 __all__ = ["split_rows", "select_rows", "restore_rows", "token_imbalance"]
 
 
-def split_rows(lengths: Sequence[int], dp: int) -> list[list[int]]:
+def split_rows(lengths: Sequence[int], dp: int, balance: bool = True) -> list[list[int]]:
     """Row indices for each of ``dp`` replicas: near-equal token sums, row counts equal (or within one).
 
     Rows that do not divide evenly are handled by zero-length placeholders: Karmarkar-Karp's equal-size mode
     puts the (fewer than dp) placeholders in different replicas, which then get one real row less.
+    ``balance=False``: contiguous blocks in row order (the first ``n % dp`` replicas one row more), tokens ignored.
     """
     n = len(lengths)
     if dp < 1:
@@ -32,6 +34,10 @@ def split_rows(lengths: Sequence[int], dp: int) -> list[list[int]]:
             raise ValueError(f"split_rows: row {i} has length {length!r}; lengths must be ints >= 0")
     if dp == 1:
         return [list(range(n))]
+    if not balance:
+        base, extra = divmod(n, dp)
+        bounds = [d * base + min(d, extra) for d in range(dp + 1)]
+        return [list(range(bounds[d], bounds[d + 1])) for d in range(dp)]
     pad = (-n) % dp
     # Placeholders weigh -1 so that they sort below every real row (even 0-token ones) and seed distinct replicas.
     weights = list(lengths) + [-1] * pad

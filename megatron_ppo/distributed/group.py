@@ -7,8 +7,8 @@ of a ``RankLayout`` and offers three calls:
 * ``call_dp(method, shards, *args, **kwargs)`` -> one result per DP replica: every rank of replica d gets
   ``shards[d]`` as the first argument (TP/PP peers must see the same data), and the answer comes from the
   replica's representative rank (tp=0, last pipeline stage);
-* ``call_rows(method, batch, lengths, ...)``: ``call_dp`` over a token-balanced split of the batch's rows, with
-  the per-row results put back in the original row order;
+* ``call_rows(method, batch, lengths, ..., balance=True)``: ``call_dp`` over a token-balanced split of the batch's
+  rows (contiguous blocks with ``balance=False``), with the per-row results put back in the original row order;
 
 and ``shutdown()``. ``LocalWorkerGroup`` runs one rank in this process (debugging, the in-process driver);
 ``RayWorkerGroup`` runs TP x PP x DP Ray actors. Any failure surfaces as ``WorkerGroupError``.
@@ -50,6 +50,7 @@ class WorkerGroup(ABC):
     role: str
     layout: RankLayout
     dispatch_s: float = 0.0  # seconds spent moving calls and results, not in the workers (0 in this process)
+    threads: list[int] = []  # torch threads of each rank, as the ranks reported them at start-up
 
     @abstractmethod
     def call_all(self, method: str, *args, **kwargs) -> list:
@@ -63,10 +64,12 @@ class WorkerGroup(ABC):
     def shutdown(self) -> None:
         """Stop every rank (idempotent)."""
 
-    def call_rows(self, method: str, batch: Any, lengths: Sequence[int], *args, **kwargs) -> Any:
-        """Split ``batch``'s rows over the DP replicas by token count, call ``method(rows_of_batch, ...)``, and
-        return the per-row results (tensor / list / dict of those) in the original row order."""
-        shards = split_rows(list(lengths), self.layout.dp)
+    def call_rows(self, method: str, batch: Any, lengths: Sequence[int], *args, balance: bool = True,
+                  **kwargs) -> Any:
+        """Split ``batch``'s rows over the DP replicas by token count (``balance=False``: contiguous blocks), call
+        ``method(rows_of_batch, ...)``, and return the per-row results (tensor / list / dict of those) in the
+        original row order."""
+        shards = split_rows(list(lengths), self.layout.dp, balance)
         results = self.call_dp(method, [select_rows(batch, rows) for rows in shards], *args, **kwargs)
         return restore_rows(results, shards)
 
@@ -87,8 +90,11 @@ class LocalWorkerGroup(WorkerGroup):
     def __init__(self, role: str, worker_cls, worker_kwargs: dict | None = None, *, seed: int = 1234):
         from megatron_ppo import parallel
 
+        import torch
+
         self.role = role
         self.layout = RankLayout(1, 1, 1)
+        self.threads = [torch.get_num_threads()]
         self._owns_parallel = not parallel.is_initialized()
         if self._owns_parallel:
             parallel.initialize(tp=1, pp=1, seed=seed)

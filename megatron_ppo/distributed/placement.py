@@ -8,6 +8,10 @@ update), so a rank's torch thread count is the whole bundle, not its accounting 
 
 split: one placement group per role, ``world size`` full bundles each; the roles' ranks add up.
 
+A bundle's CPUs (``cluster.num_cpus_per_rank``) default to ``auto``: the node's CPUs over the ranks placed on it
+(``auto_cpus_per_rank``), so a rank's torch thread count is what it really has. A fixed 1 left a one-rank-per-role
+run on a 2-core machine at one thread (0.85x HF ``generate`` with two), and 63 of 64 cores idle on a big CPU node.
+
 ``plan_placement`` is pure (tests and the driver's pre-flight); ``create_placement`` asks Ray for the groups and
 fails with the arithmetic if Ray cannot reserve them within a timeout (instead of pending forever).
 """
@@ -20,7 +24,7 @@ from typing import Any, Mapping
 from megatron_ppo.distributed.layout import ClusterSlots, LayoutError, RankLayout, check_fits
 
 __all__ = ["RankResources", "RolePlacement", "PlacementPlan", "plan_placement", "create_placement",
-           "remove_placement"]
+           "remove_placement", "auto_cpus_per_rank", "bundles_per_node", "local_cpu_count", "ray_node_cpu_count"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,51 @@ def _share(amount: float, n: int) -> float:
     if share > 1:
         return float(math.floor(share))
     return math.floor(share * 10_000) / 10_000
+
+
+def bundles_per_node(layouts: Mapping[str, RankLayout], slots: ClusterSlots, mode: str = "colocated") -> int:
+    """Ranks' bundles on the fullest node: the plan's bundles (colocated: the largest role's world; split: the sum),
+    packed (Ray's PACK) up to ``slots.per_node`` a node."""
+    sizes = [layout.world_size for layout in layouts.values()]
+    bundles = max(sizes) if mode == "colocated" else sum(sizes)
+    return max(1, min(bundles, slots.per_node))
+
+
+def auto_cpus_per_rank(node_cpus: int, ranks_on_node: int) -> int:
+    """``cluster.num_cpus_per_rank: auto``: the node's CPUs shared by the bundles placed on it, whole CPUs (Ray
+    refuses fractions above 1), at least 1."""
+    if node_cpus < 1 or ranks_on_node < 1:
+        raise LayoutError(f"auto CPUs per rank: node_cpus={node_cpus}, ranks_on_node={ranks_on_node}; both must be "
+                          ">= 1")
+    return max(1, node_cpus // ranks_on_node)
+
+
+def local_cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask: taskset, cgroup cpusets, Slurm's binding), not the host's."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def ray_node_cpu_count() -> int:
+    """The smallest CPU count of the connected Ray cluster's alive nodes (every node must host its share): each
+    node's declared CPUs (``ray start --num-cpus``), capped at this process's CPUs for a node on this host (a
+    session that declares more CPUs than the machine has must not oversubscribe it)."""
+    import ray
+
+    here = ray.util.get_node_ip_address()
+    cpus = []
+    for node in ray.nodes():
+        declared = int(node.get("Resources", {}).get("CPU", 0))
+        if node.get("Alive") and declared > 0:
+            cpus.append(min(declared, local_cpu_count()) if node.get("NodeManagerAddress") == here else declared)
+    if not cpus:
+        raise LayoutError(f"the Ray cluster has no node with CPUs ({ray.cluster_resources()}); cannot size "
+                          "cluster.num_cpus_per_rank=auto: set a number")
+    return min(cpus)
 
 
 def plan_placement(layouts: Mapping[str, RankLayout], slots: ClusterSlots, mode: str = "colocated",

@@ -111,6 +111,7 @@ class RayWorkerGroup(WorkerGroup):
         self.role, self.layout, self.placement = role, layout, placement
         self.call_timeout_s, self.grace_s, self.kill_timeout_s = call_timeout_s, grace_s, kill_timeout_s
         self.infos: list[dict | None] = [None] * layout.world_size
+        self.threads: list[int] = []  # per rank, from setup
         self.timings: dict[str, float] = {}
         self.dispatch_s = 0.0  # summed over calls: wall time minus the slowest rank's time in the method
         self._dead = False
@@ -134,7 +135,7 @@ class RayWorkerGroup(WorkerGroup):
             setup = [a.setup.remote(master_addr, master_port, (layout.tp, layout.pp, layout.dp), seed,
                                     collective_timeout_s / 60.0, placement.threads, cls_ref, kwargs_ref)
                      for a in self.actors]
-            self._wait(setup, "setup", setup_timeout_s)
+            self.threads = [info["threads"] for info in self._wait(setup, "setup", setup_timeout_s)]
         except BaseException:
             self.shutdown()
             raise

@@ -166,7 +166,8 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
     except BaseException:
         tracker.close()
         raise
-    write_run_record(tracker.log_dir, cfg, {role: g.layout for role, g in groups.groups.items()})
+    write_run_record(tracker.log_dir, cfg, {role: g.layout for role, g in groups.groups.items()},
+                     {role: g.threads for role, g in groups.groups.items()})
     return Components(
         total_steps=total_steps, tokenizer=tokenizer, eos_token_ids=[eos] if eos is not None else [],
         train_dataset=train, val_dataset=val, sampler=sampler,

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 from megatron_ppo.distributed import (ClusterSlots, LocalWorkerGroup, RankLayout, RankResources, plan_placement)
+from megatron_ppo.distributed.placement import auto_cpus_per_rank, bundles_per_node, local_cpu_count
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,26 @@ def on_gpu(cfg) -> bool:
     return cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
 
 
-def plan(cfg):
-    """The placement plan; refuses (LayoutError with the arithmetic) what the configured cluster cannot host."""
+def cpus_per_rank(cfg, node_cpus: int | None = None) -> float:
+    """cluster.num_cpus_per_rank, with ``auto`` resolved: ``node_cpus`` (default: this process's CPUs) over the
+    bundles placed on one node; launcher=local: every role runs in this process, so all of ``node_cpus``."""
+    c = cfg.cluster
+    if c.num_cpus_per_rank != "auto":
+        return float(c.num_cpus_per_rank)
+    node_cpus = node_cpus or local_cpu_count()
+    if c.launcher == "local":
+        return float(node_cpus)
+    slots = ClusterSlots(c.nnodes, c.n_gpus_per_node)
+    return float(auto_cpus_per_rank(node_cpus, bundles_per_node(layouts(cfg), slots, c.placement)))
+
+
+def plan(cfg, node_cpus: int | None = None):
+    """The placement plan; refuses (LayoutError with the arithmetic) what the configured cluster cannot host.
+    ``node_cpus``: the CPUs of one node for num_cpus_per_rank=auto (default: this process's)."""
     c = cfg.cluster
     gpus = c.num_gpus_per_rank if c.num_gpus_per_rank is not None else (1.0 if on_gpu(cfg) else 0.0)
     slots = ClusterSlots(c.nnodes, c.n_gpus_per_node, "GPU" if gpus else "CPU")
-    return plan_placement(layouts(cfg), slots, c.placement, RankResources(c.num_cpus_per_rank, gpus))
+    return plan_placement(layouts(cfg), slots, c.placement, RankResources(cpus_per_rank(cfg, node_cpus), gpus))
 
 
 @dataclass
@@ -89,12 +104,16 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
     out = RoleGroups()
     try:
         if cfg.cluster.launcher == "local":
+            import torch
+
+            torch.set_num_threads(max(1, int(cpus_per_rank(cfg))))  # every role computes in this process
             for role, layout in layouts(cfg).items():
                 if layout.world_size != 1:
                     raise ValueError(f"cluster.launcher=local hosts one rank per role; cluster.{role} asks for "
                                      f"{layout}")
                 extra = {"total_steps": total_steps} if role not in FROZEN_ROLES else {}
                 out.groups[role] = LocalWorkerGroup(role, classes[role], {**kwargs, **extra}, seed=cfg.trainer.seed)
+                log.info("%s: in this process, %d torch threads", role, torch.get_num_threads())
             return out
         placement = plan(cfg)  # refusals happen here, before Ray starts
         import ray
@@ -110,12 +129,20 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
             out.cluster = connect_or_start(address)
         else:  # a local cluster sized to the placement
             out.cluster = connect_or_start(None, num_cpus=total_cpus, num_gpus=total_gpus if total_gpus else None)
+        if cfg.cluster.num_cpus_per_rank == "auto" and (out.cluster is None or not out.cluster.started_here):
+            from megatron_ppo.distributed.placement import ray_node_cpu_count
+
+            placement = plan(cfg, ray_node_cpu_count())  # bundles sized from the cluster's nodes, not this one's
         out.placement = create_placement(placement)
         for role, layout in layouts(cfg).items():
             extra = {"total_steps": total_steps} if role not in FROZEN_ROLES else {}
             out.groups[role] = RayWorkerGroup(role, layout, placement.roles[role], classes[role], {**kwargs, **extra},
                                               seed=cfg.trainer.seed, collective_timeout_s=cfg.cluster.collective_timeout_s)
-            log.info("%s: %s on Ray, up in %.1f s", role, layout, out.groups[role].timings["start_s"])
+            rp, threads = placement.roles[role], sorted(set(out.groups[role].threads))
+            log.info("%s: %s on Ray, %s torch thread(s) per rank (bundle of %g CPUs%s), up in %.1f s", role, layout,
+                     "/".join(map(str, threads)), placement.pools[rp.pool][0].get("CPU", 0),
+                     ", shared by the colocated roles" if placement.mode == "colocated" else "",
+                     out.groups[role].timings["start_s"])
         return out
     except BaseException:
         out.close()

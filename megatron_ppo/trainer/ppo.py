@@ -20,7 +20,7 @@ from megatron_ppo.algo.losses import explained_variance
 from megatron_ppo.algo.rollout_correction import compute_rollout_correction_and_rejection_mask
 from megatron_ppo.data.batch import RolloutBatch, split_rows
 from megatron_ppo.distributed.dispatch import select_rows
-from megatron_ppo.distributed.dispatch import split_rows as split_by_tokens
+from megatron_ppo.distributed.dispatch import split_rows as split_over_dp
 from megatron_ppo import ops
 from megatron_ppo.trainer import checkpoint as ckpt
 from megatron_ppo.trainer.offline import OFFLINE_KEY
@@ -177,7 +177,7 @@ class PPOTrainer:
         prompt_ids = [prompts["input_ids"][i][keep[i]] for i in rows]
         lengths = [int(p.numel()) for p in prompt_ids]
         out = self.p.actor.call_rows("generate", {"prompt_ids": prompt_ids}, lengths, self.sampling_params(sampling),
-                                     self.step)
+                                     self.step, balance=self.cfg.trainer.balance_batch)
         width = out["responses"].shape[1]
         mask = (torch.arange(width) < out["response_lengths"].unsqueeze(1)).float()
         meta = {key: [prompts[key][i] for i in rows] for key in ("raw_prompt", "data_source", "reward_model", "extra_info", "index")}
@@ -190,7 +190,8 @@ class PPOTrainer:
         Offline rows with a stored `reward` keep it (reward/stored_fraction says how many); the others are scored."""
         lengths = batch.response_lengths
         if self.p.reward_model is not None:
-            scores = self.p.reward_model.call_rows("compute_scores", to_payload(batch), row_lengths(batch))["scores"]
+            scores = self.p.reward_model.call_rows("compute_scores", to_payload(batch), row_lengths(batch),
+                                                   balance=self.cfg.trainer.balance_batch)["scores"]
             values = [float(v) for v in scores]
             out_metrics = {"reward/score/mean": float(scores.mean()), "reward/score/min": float(scores.min()),
                            "reward/score/max": float(scores.max()), "reward/rm_score/mean": float(scores.mean()),
@@ -221,17 +222,19 @@ class PPOTrainer:
         algorithm.rollout_correction.bypass_mode the old log-probs are the rollout's (verl's apply_bypass_mode):
         the actor's forward is skipped, and so are the metrics that compare it with the rollout."""
         payload, lengths = to_payload(batch), row_lengths(batch)
+        balance = self.cfg.trainer.balance_batch
         bypass = self.cfg.algorithm.rollout_correction.bypass_mode
         if bypass:
             batch.tensors["old_log_probs"] = batch.tensors["rollout_log_probs"]
         else:
-            out = self.p.actor.call_rows("compute_log_probs", payload, lengths)
+            out = self.p.actor.call_rows("compute_log_probs", payload, lengths, balance=balance)
             batch.tensors["old_log_probs"] = out["log_probs"]
             metrics["actor/entropy_rollout"] = float(masked_mean(out["entropy"], batch.response_mask))
         if self.p.ref is not None:
-            batch.tensors["ref_log_probs"] = self.p.ref.call_rows("compute_log_probs", payload, lengths)["log_probs"]
+            batch.tensors["ref_log_probs"] = self.p.ref.call_rows("compute_log_probs", payload, lengths,
+                                                                      balance=balance)["log_probs"]
         if self.p.critic is not None:
-            batch.tensors["values"] = self.p.critic.call_rows("compute_values", payload, lengths)["values"]
+            batch.tensors["values"] = self.p.critic.call_rows("compute_values", payload, lengths, balance=balance)["values"]
         if not bypass:
             diff = (batch.tensors["old_log_probs"] - batch.tensors["rollout_log_probs"]).abs()
             metrics["rollout/logprob_abs_diff_max"] = float(diff.max()) if diff.numel() else 0.0
@@ -275,14 +278,11 @@ class PPOTrainer:
         self._update(self.p.actor, "actor", batch, keys, metrics)
 
     def _update(self, group, role: str, batch: RolloutBatch, keys: tuple, metrics: dict) -> None:
-        """The role's update on every replica's shard (token-balanced with trainer.balance_batch); the replicas return the same global
-        metrics (reduced inside the workers), so the first answer stands for all."""
+        """The role's update on every replica's shard (token-balanced with trainer.balance_batch, else contiguous
+        blocks: the same split as the forwards'); the replicas return the same global metrics (reduced inside the
+        workers), so the first answer stands for all."""
         payload = to_payload(batch, keys)
-        dp = group.layout.dp
-        if self.cfg.trainer.balance_batch:  # equal token sums per replica (Karmarkar-Karp)
-            shards = split_by_tokens(row_lengths(batch), dp)
-        else:  # contiguous blocks of rows
-            shards = [[int(r) for r in rows] for rows in np.array_split(np.arange(batch.size), dp)]
+        shards = split_over_dp(row_lengths(batch), group.layout.dp, self.cfg.trainer.balance_batch)
         result = group.call_dp("update", [select_rows(payload, rows) for rows in shards], self.step)[0]
         bad = result.pop("_nonfinite")
         metrics.update(result)

@@ -4,7 +4,7 @@ GPU utilisation/memory samples (nvidia-ml-py, only when a GPU and NVML are there
     config.yaml    the resolved config (every key, defaults included): `megatron-ppo train --config DIR/config.yaml`
                    reruns it
     versions.json  python, platform and the versions of the packages that decide the numbers
-    layout.json    per role: TP x PP x DP, launcher, placement, device
+    layout.json    per role: TP x PP x DP and torch threads per rank, launcher, placement, device
 """
 from __future__ import annotations
 
@@ -39,16 +39,19 @@ def versions() -> dict:
     return out
 
 
-def layout(cfg, group_layouts: dict) -> dict:
-    """{role: {tp, pp, dp, ranks}} plus the cluster keys that place them."""
+def layout(cfg, group_layouts: dict, threads: dict | None = None) -> dict:
+    """{role: {tp, pp, dp, ranks, torch_threads}} plus the cluster keys that place them; ``threads``: {role: the
+    torch thread count of each rank, as the ranks reported it}."""
     c = cfg.cluster
+    threads = threads or {}
     return {"launcher": c.launcher, "placement": c.placement, "device": c.device, "nnodes": c.nnodes,
-            "n_gpus_per_node": c.n_gpus_per_node,
-            "roles": {role: {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ranks": lay.tp * lay.pp * lay.dp}
+            "n_gpus_per_node": c.n_gpus_per_node, "num_cpus_per_rank": c.num_cpus_per_rank,
+            "roles": {role: {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ranks": lay.tp * lay.pp * lay.dp,
+                             "torch_threads": list(threads.get(role, []))}
                       for role, lay in group_layouts.items()}}
 
 
-def write_run_record(log_dir: str | Path, cfg, group_layouts: dict) -> list[Path]:
+def write_run_record(log_dir: str | Path, cfg, group_layouts: dict, threads: dict | None = None) -> list[Path]:
     """config.yaml, versions.json and layout.json into the log dir (atomically; a rerun replaces them)."""
     from megatron_ppo.config import to_yaml
 
@@ -56,7 +59,7 @@ def write_run_record(log_dir: str | Path, cfg, group_layouts: dict) -> list[Path
     d.mkdir(parents=True, exist_ok=True)
     return [_write(d / "config.yaml", to_yaml(cfg)),
             _write(d / "versions.json", json.dumps(versions(), indent=1) + "\n"),
-            _write(d / "layout.json", json.dumps(layout(cfg, group_layouts), indent=1) + "\n")]
+            _write(d / "layout.json", json.dumps(layout(cfg, group_layouts, threads), indent=1) + "\n")]
 
 
 class GpuMonitor:

@@ -214,6 +214,43 @@ def test_critic_warmup_on_ray_leaves_every_actor_rank_unchanged(ray_session, dat
         parts.close()
 
 
+@pytest.mark.slow
+def test_balance_batch_false_splits_every_dp_call_into_contiguous_rows(ray_session, data_dir, tmp_path, monkeypatch):
+    """trainer.balance_batch=false decides the DP split of every call, forwards and updates alike: generation,
+    old log-probs, values and both updates get contiguous blocks of rows on actor DP2 / critic DP2 (before, only
+    the updates followed the key; call_rows always balanced tokens)."""
+    from megatron_ppo.distributed import dispatch
+    from megatron_ppo.distributed import group as group_module
+    from megatron_ppo.trainer import ppo as ppo_module
+    from megatron_ppo.trainer.components import build_components
+    from megatron_ppo.trainer.ppo import PPOTrainer
+
+    calls = []
+
+    def recording(where):
+        def split(lengths, dp, balance=True):
+            shards = dispatch.split_rows(lengths, dp, balance)
+            calls.append((where, list(lengths), dp, balance, shards))
+            return shards
+        return split
+
+    monkeypatch.setattr(group_module, "split_rows", recording("call_rows"))
+    monkeypatch.setattr(ppo_module, "split_over_dp", recording("update"))
+    cfg = _cfg(data_dir, tmp_path, "ray", **{"trainer.balance_batch": "false", "trainer.val_before_train": "false"})
+    parts = build_components(cfg)
+    try:
+        assert parts.actor.layout.dp == parts.critic.layout.dp == 2
+        PPOTrainer(cfg, parts).fit(1)
+    finally:
+        parts.close()
+    assert [c[0] for c in calls].count("call_rows") >= 3 and [c[0] for c in calls].count("update") == 2, calls
+    for where, lengths, dp, balance, shards in calls:
+        assert balance is False and dp == 2, (where, balance)
+        assert shards == [list(range(len(lengths) // 2)), list(range(len(lengths) // 2, len(lengths)))], (where, shards)
+    # not vacuous: a token-balanced split of the same rows differs from the contiguous one somewhere
+    assert any(dispatch.split_rows(lengths, dp) != shards for _, lengths, dp, _, shards in calls), calls
+
+
 def test_a_layout_the_cluster_cannot_host_is_refused_before_anything_starts(capsys):
     from megatron_ppo.trainer.entry import main
 

@@ -78,3 +78,13 @@ def test_restore_rows_names_the_replica_that_lost_rows():
         restore_rows([torch.zeros(2), torch.zeros(2)], shards)
     with pytest.raises(ValueError, match="DP replica 1 has keys"):
         restore_rows([{"a": [1, 2]}, {"b": [3]}], shards)
+
+
+@pytest.mark.parametrize("n, dp, want", [(8, 2, [[0, 1, 2, 3], [4, 5, 6, 7]]), (7, 3, [[0, 1, 2], [3, 4], [5, 6]]),
+                                         (3, 3, [[0], [1], [2]]), (5, 1, [[0, 1, 2, 3, 4]])])
+def test_unbalanced_split_is_contiguous_blocks_in_row_order(n, dp, want):
+    """balance=False (trainer.balance_batch=false): blocks of rows in order, tokens ignored, counts within one."""
+    lengths = [100 if i % 2 else 1 for i in range(n)]
+    assert split_rows(lengths, dp, balance=False) == want
+    with pytest.raises(ValueError, match="cannot feed"):
+        split_rows([1] * (dp - 1), dp, balance=False) if dp > 1 else split_rows([], 2, balance=False)

@@ -97,3 +97,17 @@ def test_dp_seed_rule():
     assert len(seeds) == 200  # the documented per-step derivation never collides
     with pytest.raises(LayoutError):
         dp_seed(1, -1)
+
+
+def test_auto_cpus_per_rank_is_the_node_over_its_bundles():
+    from megatron_ppo.distributed.placement import auto_cpus_per_rank, bundles_per_node
+
+    assert auto_cpus_per_rank(2, 1) == 2 and auto_cpus_per_rank(2, 2) == 1 and auto_cpus_per_rank(64, 8) == 8
+    assert auto_cpus_per_rank(2, 3) == 1 and auto_cpus_per_rank(10, 4) == 2  # at least 1, whole CPUs
+    with pytest.raises(LayoutError):
+        auto_cpus_per_rank(0, 1)
+    one = {"actor": RankLayout(), "critic": RankLayout(), "ref": RankLayout()}
+    assert bundles_per_node(one, ClusterSlots(1, 8), "colocated") == 1  # the roles share one bundle
+    assert bundles_per_node(one, ClusterSlots(1, 8), "split") == 3
+    big = {"actor": RankLayout(tp=8, pp=4, dp=4), "critic": RankLayout(tp=8, pp=2, dp=8)}
+    assert bundles_per_node(big, ClusterSlots(16, 8), "colocated") == 8  # 128 bundles, 8 a node
