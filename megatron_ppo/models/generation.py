@@ -32,7 +32,8 @@ Keys are cached RoPE-rotated (``attention.CachedRopeSelfAttention``: megatron re
 step) and one-token steps run through ``decode_step.DecodeStep`` (``lean_decode``: the same modules without
 ``GPTModel.forward``'s scaffolding); both are bit-identical to megatron's path. On CPU in fp32 that step's GEMMs
 run on oneDNN-prepacked weights (``packed_linears``: 2.5x MKL's sgemm at 16 rows; log-probs to fp32 rounding), and
-the prefill forwards' GEMMs on oneDNN too (``ops.cpu_matmul``).
+the prefill forwards' GEMMs on oneDNN too (``onednn_prefill``, ``ops.cpu_matmul``; a worker passes its own
+``cpu_gemm`` decision, so ``auto`` keeps a small model's prefill on torch's GEMMs).
 
 ``compile_decode`` (``rollout.use_torch_compile``) runs the one-token decode forwards through ``torch.compile``
 (dynamic shapes: the batch shrinks and the cache grows every step; prefill stays eager). Compiled code is cached per
@@ -73,8 +74,9 @@ class SamplingParams:
     drop_finished: bool = True  # finished rows leave the decode batch (results unchanged)
     compile_decode: bool = False  # torch.compile the one-token decode forward (module docstring)
     lean_decode: bool = True  # one-token steps through models.decode_step where the model allows it
-    packed_linears: bool = True  # ... with oneDNN-prepacked GEMM weights where possible, and prefill GEMMs on
-    # oneDNN (CPU fp32; decode_step, ops.cpu_matmul)
+    packed_linears: bool = True  # ... with oneDNN-prepacked GEMM weights where possible (CPU fp32; decode_step)
+    onednn_prefill: bool = True  # prefill (and any non-lean forward) GEMMs on oneDNN (CPU fp32; ops.cpu_matmul);
+    # a worker sets it to its own cpu_gemm decision (MegatronWorker.onednn)
 
     def __post_init__(self):
         if self.max_response_length < 1:
@@ -153,7 +155,7 @@ class _StageRunner:
     """One forward step of this pipeline stage, passing hidden states between stages (PP > 1)."""
 
     def __init__(self, model, batch_size, max_len, use_kv_cache, compile_decode=False, lean_decode=False,
-                 packed_linears=False):
+                 packed_linears=False, onednn_prefill=False):
         from megatron.core import parallel_state as ps
         from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -168,7 +170,7 @@ class _StageRunner:
         self.device = next(self.core.parameters()).device
         self.compiled = _compiled_forward() if compile_decode and use_kv_cache else None
         # prefill (and any non-lean forward) on oneDNN GEMMs too (ops/cpu_matmul.py), CPU only
-        self.onednn = packed_linears and self.device.type == "cpu"
+        self.onednn = onednn_prefill and self.device.type == "cpu"
         self.lean = None
         if lean_decode and use_kv_cache and self.compiled is None and unsupported_reason(self.core) is None:
             self.lean = DecodeStep(self.core, max_len, batch_size, packed=packed_linears)
@@ -402,7 +404,7 @@ def _generate_ragged(model, prompts, params, vocab, use_kv_cache):
     key_pad = torch.arange(total, device=device).unsqueeze(0) < (width - lengths).unsqueeze(1)  # [B, total]
     res = _Results(b, r, params, device)
     runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode, params.lean_decode,
-                          params.packed_linears)
+                          params.packed_linears, params.onednn_prefill)
     sampler = _Sampler(params, vocab, b, device)
     # original index of each row of the decode batch: longest prompts first, so length groups are contiguous
     rows = torch.argsort(lengths, descending=True, stable=True)
@@ -471,7 +473,7 @@ def _generate_aligned(model, prompts, params, vocab, use_kv_cache):
         tokens[i, :p.numel()] = p.to(device)
     res = _Results(b, r, params, device)
     runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode, params.lean_decode,
-                          params.packed_linears)
+                          params.packed_linears, params.onednn_prefill)
     sampler = _Sampler(params, vocab, b, device)
     rows = torch.arange(b, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)

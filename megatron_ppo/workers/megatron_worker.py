@@ -55,8 +55,10 @@ class MegatronWorker:
         return self.ddp if self.ddp is not None else self.model
 
     def generate(self, prompt_ids: list[torch.Tensor], params: SamplingParams) -> GenerationOutput:
-        if self.cpu_gemm == "torch":  # this role's GEMM choice covers its rollouts too
-            params = dataclasses.replace(params, packed_linears=False)
+        # this role's GEMM choice covers its rollouts too: the prefill forwards follow self.onednn (so "auto" keeps a
+        # small model's prefill on torch's GEMMs); "torch" also turns off the decode step's prepacked weights
+        params = dataclasses.replace(params, onednn_prefill=params.onednn_prefill and self.onednn,
+                                     packed_linears=params.packed_linears and self.cpu_gemm != "torch")
         return generate(self.module, prompt_ids, params)
 
     @torch.no_grad()

@@ -54,8 +54,8 @@ def _random_biases(model):
 
 def _three_ways(model, prompts, params):
     """(lean step on the modules' linears + rotated cache, megatron forward + rotated cache, megatron's own path),
-    all three on torch's GEMMs (packed_linears=False: neither prepacked decode weights nor oneDNN prefill)."""
-    params = dataclasses.replace(params, packed_linears=False)
+    all three on torch's GEMMs (neither prepacked decode weights nor oneDNN prefill)."""
+    params = dataclasses.replace(params, packed_linears=False, onednn_prefill=False)
     lean = generate(model, prompts, params)
     full = generate(model, prompts, dataclasses.replace(params, lean_decode=False))
     with megatron_self_attention(model):

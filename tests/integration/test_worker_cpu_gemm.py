@@ -101,6 +101,25 @@ def test_rollout_prefill_follows_the_role_choice(megatron_single, routed):
     torch.testing.assert_close(results["onednn"].log_probs, results["torch"].log_probs, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("hidden, routed_expected", [(64, False), (512, True)])
+def test_rollout_prefill_follows_auto(megatron_single, routed, hidden, routed_expected):
+    """Under cpu_gemm=auto (the default) a model below hidden size 512 generates with its prefill on torch's GEMMs
+    (nothing reaches oneDNN's mm: the decode step's prepacked weights do not go through it); from 512 up the prefill
+    is routed. The worker's own onednn decision is what generate follows, not SamplingParams' default."""
+    from megatron_ppo.models.arch import tiny_arch
+    from megatron_ppo.models.generation import SamplingParams
+    from megatron_ppo.workers.megatron_worker import MegatronWorker
+
+    arch = tiny_arch(hidden_size=hidden, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=2 * hidden,
+                     num_layers=1)
+    worker = MegatronWorker("actor", arch)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=g) for n in (11, 6, 8)]
+    routed.clear()
+    worker.generate(prompts, SamplingParams(max_response_length=4, greedy=True))
+    assert (len(routed) > 0) is routed_expected, routed
+
+
 def test_unknown_cpu_gemm_is_refused(megatron_single):
     from megatron_ppo.models.arch import tiny_arch
     from megatron_ppo.workers.megatron_worker import MegatronWorker
