@@ -6,6 +6,7 @@ ignored (a threshold without its switch, phases for a non-phased controller) is 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 from .io import ConfigError
@@ -132,11 +133,35 @@ def _arch(key: str, arch: ArchConfig, parallel, parallel_key: str, cfg: PPOConfi
                f"got {arch.max_position_embeddings}")
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if tp >= 1 and pp >= 1:
-        for name in ("num_attention_heads", "num_query_groups"):
-            errs.check(getattr(arch, name) % tp == 0, f"{key}.{name}", f"must be divisible by "
-                       f"{parallel_key}.tensor_model_parallel_size ({tp}), got {getattr(arch, name)}")
-        errs.check(arch.num_layers % pp == 0, f"{key}.num_layers", f"must be divisible by "
-                   f"{parallel_key}.pipeline_model_parallel_size ({pp}), got {arch.num_layers}")
+        for name, count, size_key, size in layout_split_problems(
+                tp, pp, {n: getattr(arch, n) for n in TP_SPLIT_COUNTS}, {n: getattr(arch, n) for n in PP_SPLIT_COUNTS}):
+            errs.append(f"{key}.{name}: must be divisible by {parallel_key}.{size_key} ({size}), got {count}")
+
+
+# What a TP x PP layout splits, in ArchConfig's names: megatron-core (models/gpt.py) refuses a layout whose
+# tensor_model_parallel_size does not divide each TP count or whose pipeline_model_parallel_size does not divide each
+# PP count. Shared by `arch:` configs (_arch) and HF model directories (trainer/preflight.py, from config.json).
+TP_SPLIT_COUNTS = ("num_attention_heads", "num_query_groups")
+PP_SPLIT_COUNTS = ("num_layers",)
+
+
+def layout_split_problems(tp: int, pp: int, tp_counts: dict[str, int],
+                          pp_counts: dict[str, int]) -> list[tuple[str, int, str, int]]:
+    """(count name, count, layout key, size) for every count the layout cannot split evenly: each of tp_counts that
+    tensor_model_parallel_size=tp does not divide, then each of pp_counts that pipeline_model_parallel_size=pp does
+    not divide, in the order given. A size < 1 is reported elsewhere (its counts are skipped)."""
+    problems = []
+    for counts, size_key, size in ((tp_counts, "tensor_model_parallel_size", tp),
+                                   (pp_counts, "pipeline_model_parallel_size", pp)):
+        if size >= 1:
+            problems += [(name, count, size_key, size) for name, count in counts.items() if count % size]
+    return problems
+
+
+def sizes_that_split(counts) -> list[int]:
+    """The layout sizes that divide every one of `counts` (positive ints): the divisors of their gcd, ascending."""
+    g = math.gcd(*counts)
+    return [d for d in range(1, g + 1) if g % d == 0]
 
 
 def _optim(key: str, o: OptimConfig, errs: _Errors) -> None:

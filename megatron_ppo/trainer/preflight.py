@@ -8,7 +8,9 @@ naming the config key, the file and the fix, instead of a traceback after a minu
              verl's signature fn(data_source, solution_str, ground_truth, extra_info))
   outputs    trainer.log_dir, rollout.dump_dir, data.preprocess.output_dir writable
   loggers    tensorboard / wandb / swanlab installed; wandb logged in (or WANDB_MODE=offline|disabled)
-  models     <role>.model.path: an HF directory with a config.json of a supported architecture
+  models     <role>.model.path: an HF directory with a config.json of a supported architecture, whose attention
+             heads, KV heads, MLP width and layers the role's cluster.<role> TP and PP divide (config.checks' rule
+             for `arch:` models; megatron-core would refuse the layout in every rank's setup, after Ray start-up)
 The device (cluster.device) and the layout arithmetic are checked by trainer/entry.py right after this.
 `megatron-ppo train --dry-run` stops after these checks and prints `describe_plan`.
 """
@@ -215,6 +217,61 @@ def check_model_paths(cfg) -> None:
             if role in ("actor", "ref") and scorer:
                 raise PreflightError(f"{key}={value}: architectures {hf_config.get('architectures')} is a reward "
                                      "model (no LM head); the actor and reference need a causal LM")
+            check_hf_layout(cfg, role, config, hf_config)
+
+
+# config.json's names for what the layout splits (config.checks names them as ArchConfig does); the MLP width too:
+# megatron-core refuses intermediate_size % TP at build (models/gpt.py). The vocab is padded to a multiple of
+# make_vocab_size_divisible_by x TP (ModelArch.padded_vocab_size), so any vocab_size takes any TP; and hidden_size
+# need not be a multiple of num_attention_heads (arch_from_hf_config keeps HF's head_dim as kv_channels).
+HF_COUNT_NAMES = {"num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
+                  "num_layers": "num_hidden_layers"}
+HF_TP_BUILD_COUNTS = ("intermediate_size",)
+
+
+def _hf_count(hf_config: dict, name: str):
+    value = hf_config.get(name)
+    if name == "num_key_value_heads" and value is None:
+        value = hf_config.get("num_attention_heads")  # transformers' default: multi-head attention
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _listed(values: list, last: str = "or") -> str:
+    items = [str(v) for v in values]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
+
+
+def check_hf_layout(cfg, role: str, config: Path, hf_config: dict) -> None:
+    """cluster.<role> TP and PP against the counts of the role's HF config.json, as config.checks does for `arch:`.
+    A count that is missing or not a positive int is left to the model build (arch_from_hf_config names it)."""
+    from megatron_ppo.config.checks import PP_SPLIT_COUNTS, TP_SPLIT_COUNTS, layout_split_problems, sizes_that_split
+
+    own = {"actor": cfg.actor.model, "critic": cfg.critic.model, "ref": cfg.ref.model,
+           "reward": cfg.reward.reward_model.model}[role]
+    owner = f"{_model_key(role)}.path" if own.path is not None else "actor.model.path"  # critic/ref: inherited
+    names = {"tensor_model_parallel_size": [HF_COUNT_NAMES[n] for n in TP_SPLIT_COUNTS] + list(HF_TP_BUILD_COUNTS),
+             "pipeline_model_parallel_size": [HF_COUNT_NAMES[n] for n in PP_SPLIT_COUNTS]}
+    counts = {size_key: {n: c for n in hf_names if (c := _hf_count(hf_config, n)) is not None}
+              for size_key, hf_names in names.items()}
+    parallel = getattr(cfg.cluster, role)
+    problems = layout_split_problems(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                                     counts["tensor_model_parallel_size"], counts["pipeline_model_parallel_size"])
+    if not problems:
+        return
+    parts = []
+    for size_key, split in counts.items():
+        bad = [(name, count) for name, count, k, _ in problems if k == size_key]
+        if not bad:
+            continue
+        size = getattr(parallel, size_key)
+        good = sizes_that_split(split.values())
+        must = (f"; {'TP' if size_key.startswith('tensor') else 'PP'} must divide "
+                f"{_listed([f'{n}={c}' for n, c in split.items()], 'and')}") if len(split) > 1 else ""
+        parts.append(f"cluster.{role}.{size_key}={size} cannot split the {role}'s model {owner}="
+                     f"{cfg.model_for(role).path}: {_listed([f'{n}={c}' for n, c in bad], 'and')} "
+                     f"{'is' if len(bad) == 1 else 'are'} not divisible by {size} ({config}){must}: set "
+                     f"cluster.{role}.{size_key} to {'one of ' if len(good) > 2 else ''}{_listed(good)}")
+    raise PreflightError("; and ".join(parts))
 
 
 def _preprocess_outputs(cfg) -> set[Path]:
@@ -278,7 +335,7 @@ def run_preflight(cfg) -> dict:
 def describe_plan(cfg, checked: dict) -> str:
     """The resolved plan `--dry-run` prints: layout, batch arithmetic, steps."""
     d, t = cfg.data, cfg.trainer
-    lines = ["preflight: ok (config, data, rewards, output dirs, loggers, model paths)"]
+    lines = ["preflight: ok (config, data, rewards, output dirs, loggers, model paths and layouts)"]
     c = cfg.cluster
     lines.append(f"cluster: launcher={c.launcher} device={c.device} nnodes={c.nnodes} "
                  f"n_gpus_per_node={c.n_gpus_per_node}")

@@ -170,3 +170,98 @@ def test_dry_run_prints_plan_and_builds_nothing(tmp_path):
     for text in ("preflight: ok", "64 train rows", "TP=", "steps: 3", "prompts x rollout.n="):
         assert text in proc.stdout, (text, proc.stdout)
     assert not (tmp_path / "logs").exists()  # nothing claimed or written
+
+
+# Issue 22, item 4: a layout that cannot split an HF model. SmolLM2-135M-Instruct's config.json (9 attention heads,
+# 3 KV heads, 30 layers) at tiny_cpu's TP2 used to pass preflight, start Ray and every rank, and stop with
+# "actor rank 1 ... raised ValueError: num_attention_heads=9 is not divisible by tensor parallel size 2 (in 'setup')".
+SMOL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+               "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
+               "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000,
+               "tie_word_embeddings": True, "hidden_act": "silu"}
+HF_LIMIT_S = 60  # seconds, not the minute-plus of Ray start-up and model building (the check itself takes ~0.3 s)
+
+
+def tripwire(tmp_path) -> list[str]:
+    """Overrides refused right after preflight (trainer/entry.py: a missing checkpoint, before Ray): should the layout
+    check regress, these tests fail in seconds with another message instead of starting Ray and ranks."""
+    return ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path}/no_checkpoint"]
+
+
+def smol_yaml(tmp_path) -> tuple[Path, Path]:
+    """A user's YAML: tiny_cpu (actor and ref TP2) with actor.model.path an HF directory (config.json only:
+    preflight reads no weights)."""
+    import json
+
+    from megatron_ppo.config import yaml_dump, yaml_load
+
+    model = tmp_path / "SmolLM2-135M-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOL_CONFIG))
+    data = yaml_load((REPO / "configs" / "tiny_cpu.yaml").read_text())
+    data["actor"]["model"] = {"path": str(model), "dtype": "float32"}
+    path = tmp_path / "smol.yaml"
+    path.write_text(yaml_dump(data))
+    return path, model
+
+
+def test_hf_model_that_tp_cannot_split_exits_2_before_ray(tmp_path):
+    config, model = smol_yaml(tmp_path)
+    proc, s = train(tmp_path, f"data.train_files={write_rows(tmp_path / 't.parquet')}", *tripwire(tmp_path),
+                    args=["--config", str(config)])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for text in ("cluster.actor.tensor_model_parallel_size=2", f"actor.model.path={model}",
+                 "num_attention_heads=9 and num_key_value_heads=3 are not divisible by 2", str(model / "config.json"),
+                 "set cluster.actor.tensor_model_parallel_size to 1 or 3"):
+        assert text in proc.stderr, (text, proc.stderr)
+    assert s < HF_LIMIT_S, s
+    assert not (tmp_path / "logs").exists()  # nothing claimed, no run started
+
+
+def test_hf_layout_refusal_starts_no_ray_and_no_process(tmp_path):
+    """The entry function itself: PreflightError before torch, Ray or any rank (no child process of the driver)."""
+    config, _ = smol_yaml(tmp_path)
+    code = textwrap.dedent(f"""
+        import os, sys
+        from megatron_ppo.trainer.entry import main
+        from megatron_ppo.trainer.preflight import PreflightError
+        try:
+            main(["--config", {str(config)!r}, *{[*BASE, f"trainer.log_dir={tmp_path}/logs", *tripwire(tmp_path)]!r}])
+        except PreflightError as exc:
+            assert "cluster.actor.tensor_model_parallel_size=2" in str(exc), exc
+        else:
+            raise AssertionError("no PreflightError")
+        heavy = sorted(m for m in ("torch", "megatron", "ray") if m in sys.modules)
+        assert not heavy, heavy
+        tasks = [f"/proc/self/task/{{t}}/children" for t in os.listdir("/proc/self/task")]
+        children = [c for f in tasks if os.path.exists(f) for c in open(f).read().split()]  # (a Linux kernel option)
+        assert not children, children
+    """)
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_hf_model_at_tp_dividing_its_heads_passes_dry_run(tmp_path, tp):
+    config, _ = smol_yaml(tmp_path)
+    layout = [f"cluster.{r}.tensor_model_parallel_size={tp}" for r in ("actor", "ref", "critic")]
+    data = write_rows(tmp_path / "t.parquet")
+    proc, _ = train(tmp_path, f"data.train_files={data}", f"cluster.n_gpus_per_node={2 * tp}",
+                    "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4", *layout,
+                    args=["--config", str(config), "--dry-run"])
+    assert proc.returncode == 0, proc.stderr
+    assert "preflight: ok" in proc.stdout and f"actor  TP={tp} PP=1" in proc.stdout, proc.stdout
+
+
+def test_hf_model_pp_not_dividing_layers_is_refused_by_dry_run(tmp_path):
+    config, model = smol_yaml(tmp_path)
+    proc, s = train(tmp_path, f"data.train_files={write_rows(tmp_path / 't.parquet')}", "cluster.n_gpus_per_node=4",
+                    "cluster.actor.tensor_model_parallel_size=1", "cluster.actor.pipeline_model_parallel_size=4",
+                    "cluster.ref.tensor_model_parallel_size=1", "cluster.ref.pipeline_model_parallel_size=4",
+                    "actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu=2",
+                    args=["--config", str(config), "--dry-run"])
+    assert proc.returncode == 2, proc.stderr
+    for text in ("cluster.actor.pipeline_model_parallel_size=4", "num_hidden_layers=30 is not divisible by 4",
+                 str(model / "config.json"), "one of 1, 2, 3, 5, 6, 10, 15 or 30"):
+        assert text in proc.stderr, (text, proc.stderr)
+    assert s < HF_LIMIT_S, s
