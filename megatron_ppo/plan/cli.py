@@ -1,7 +1,13 @@
 """`megatron-ppo plan --config FILE [--gpus N] [--gpu-mem-gib M] [key=value ...]`: will this config fit, and how long
 will a step take? Per role: every (TP, PP, DP, recompute, offload) layout on the GPUs with its per-GPU memory
 broken down, infeasible ones with the reason; then the configured layouts colocated on one GPU, the smallest PP
-that fits, and a step-time estimate. Exit 1 when the configured layout does not fit (so scripts can gate on it)."""
+that fits, and a step-time estimate. Exit 1 when the configured layout does not fit (so scripts can gate on it).
+
+A row's columns are the parts of its total and add up to it: weights + grads + optimizer (resident) + the larger
+transient phase, training (activations + logits) or generation (kv_cache), the other phase printed as '-'
+(Memory.total in plan/memory.py). What the total leaves out (that phase, the optimizer replicated / distributed,
+activations without recompute) is on --breakdown's second line per layout and in --json's ``memory_gib``:
+``parts`` (summing to ``total``), ``peak_phase``, ``not_counted``, ``alternatives``."""
 from __future__ import annotations
 
 import argparse
@@ -9,10 +15,49 @@ import json
 import sys
 
 from megatron_ppo.plan.layouts import MARGIN, colocated, enumerate_layouts, recommend_pp, role_specs, step_time, with_world
-from megatron_ppo.plan.memory import GIB, Hardware, total_params
+from megatron_ppo.plan.memory import GIB, Hardware, Memory, total_params
 
-COLUMNS = ("weights", "grads", "optimizer", "optimizer_replicated", "optimizer_distributed", "activations",
-           "activations_no_recompute", "logits", "kv_cache", "total")
+# What a row's total is made of (Memory.total = resident + transient, memory.py): the resident parts, held all run,
+# plus the larger of the two transient phases, which never overlap (training, then generation, or the reverse).
+RESIDENT = ("weights", "grads", "optimizer")
+PHASES = {"training": ("activations", "logits"), "generation": ("kv_cache",)}
+PARTS = RESIDENT + PHASES["training"] + PHASES["generation"]  # the table's columns, in order, then total
+# What the layout could have chosen instead: not part of the total; --breakdown and --json show them.
+ALTERNATIVES = ("optimizer_replicated", "optimizer_distributed", "activations_no_recompute")
+NOT_COUNTED = "-"  # a cell of the smaller transient phase
+
+
+def peak_phase(mem: Memory) -> str:
+    """The transient phase a total counts: Memory.transient = max(activations + logits, kv_cache)."""
+    return "training" if mem.activations + mem.logits >= mem.kv_cache else "generation"
+
+
+def split(mem: Memory) -> dict:
+    """A row's memory in bytes: ``parts`` (summing to ``total`` exactly), the phase they count, the smaller phase
+    (``not_counted``) and the ``alternatives`` the layout does not use."""
+    phase = peak_phase(mem)
+    other = "generation" if phase == "training" else "training"
+    return {"total": mem.total, "parts": {k: getattr(mem, k) for k in RESIDENT + PHASES[phase]},
+            "peak_phase": phase, "not_counted": {k: getattr(mem, k) for k in PHASES[other]},
+            "alternatives": {k: getattr(mem, k) for k in ALTERNATIVES}}
+
+
+def _in_gib(d):
+    return {k: _in_gib(v) for k, v in d.items()} if isinstance(d, dict) else d / GIB if isinstance(d, int) else d
+
+
+def memory_json(mem: Memory) -> dict:
+    return _in_gib(split(mem))
+
+
+def _legend(unit: str, breakdown: bool) -> list[str]:
+    more = ("Under each layout: the phase left out and the memory of the choices the layout does not make" if breakdown
+            else "--breakdown adds a line per layout: the phase left out and the choices the layout does not make")
+    return [f"Per role, every layout on these GPUs (* the configured one), {unit} per GPU at its worst pipeline stage:",
+            "  total = weights + grads + optimizer    resident for the whole run",
+            "        + the larger transient phase:    training (activations + logits) or generation (kv_cache); they",
+            " " * 41 + f"take turns, so the smaller one shows '{NOT_COUNTED}', not in the total",
+            more, "(optimizer replicated / distributed, activations without recompute); --json has the same numbers."]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,13 +70,98 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm-tbps", type=float, default=3.35, help="memory bandwidth per GPU (H100 3.35, H200 4.8)")
     p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation of the training/forward phases")
     p.add_argument("--all", action="store_true", help="list infeasible layouts too (default: feasible + counts)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="a second line per layout: the transient phase not in its total and the memory of the "
+                        "choices it does not make (optimizer without/with the distributed optimizer, activations "
+                        "without recompute)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     return p
 
 
-def _gib(x: float) -> str:
-    return f"{x / GIB:7.2f}" if x >= GIB / 100 or x == 0 else f"{x / 2**20:6.2f}M"
+class _Unit:
+    """One unit for the whole output: GiB, or MiB when every number is under 1 GiB (tiny configs)."""
+
+    def __init__(self, largest: float):
+        self.name, self.size = ("GiB", GIB) if largest >= GIB else ("MiB", 2 ** 20)
+
+    def __call__(self, x: float) -> str:
+        return f"{x / self.size:.2f}"
+
+
+def _table(head: list[str], rows: list[list[str]], groups: list[tuple[str, int, int]] = (), corner: str = "",
+           left: tuple[int, ...] = (0,), indent: str = "  ") -> list[str]:
+    """Aligned text columns: full header names (the width adapts), numbers right-aligned, the columns in ``left``
+    and the last one left-aligned. ``groups``: (label, first column, last column) drawn on a line above the
+    header, the columns widened where a label needs it; ``corner``: text at the start of that line."""
+    n = len(head)
+    width = [max([len(head[i])] + [len(r[i]) for r in rows]) for i in range(n)]
+    width[0] = max(width[0], len(corner))
+    for label, a, b in groups:
+        short = len(label) + 2 - (sum(width[a:b + 1]) + 2 * (b - a))
+        if short > 0:
+            width[b] += short
+
+    def line(cells):
+        out = []
+        for i, c in enumerate(cells):
+            out.append(c if i == n - 1 else c.ljust(width[i]) if i in left else c.rjust(width[i]))
+        return (indent + "  ".join(out)).rstrip()
+
+    lines = []
+    if groups:
+        text, pos = corner, len(corner)
+        starts = [sum(width[:i]) + 2 * i for i in range(n)]
+        for label, a, b in groups:
+            span = starts[b] + width[b] - starts[a]
+            text += " " * (starts[a] - pos) + f" {label} ".center(span, "-")
+            pos = starts[a] + span
+        lines.append((indent + text).rstrip())
+    return lines + [line(head)] + [line(r) for r in rows]
+
+
+def _layout_table(rows, spec, unit: _Unit, breakdown: bool) -> list[str]:
+    """The role's layouts: the parts of each row's total, then the total (see the legend in main)."""
+    head = ["  layout"] + list(PARTS) + ["total", "note"]
+    cells, extra = [], []
+    for row in rows:
+        s = split(row.mem)
+        mark = "*" if row.layout == spec.layout else " "
+        cells.append([f"{mark} {row.layout.label()}"]
+                     + [unit(s["parts"][k]) if k in s["parts"] else NOT_COUNTED for k in PARTS]
+                     + [unit(s["total"]), "; ".join(row.problems) or "ok"])
+        extra.append(_breakdown(row, s, unit) if breakdown else None)
+    col = {k: 1 + i for i, k in enumerate(PARTS)}  # column index; 0 is the layout
+    groups = [(name, col[ks[0]], col[ks[-1]]) for name, ks in (("resident", RESIDENT), *PHASES.items())]
+    table = _table(head, cells, groups, corner=f"  {unit.name} per GPU", indent="")
+    out = table[:2]
+    for line, more in zip(table[2:], extra):
+        out.append(line)
+        if more:
+            out.append("      " + more)
+    return out
+
+
+def _breakdown(row, s: dict, unit: _Unit) -> str:
+    """What the row's total leaves out: the smaller transient phase, and the memory of the alternatives to the
+    layout's choices (optimizer replicated / distributed, activations without recompute)."""
+    m, lay = row.mem, row.layout
+    other = "generation" if s["peak_phase"] == "training" else "training"
+    if not any(s["not_counted"].values()):
+        phase = f"no {other} phase"
+    else:
+        terms = " + ".join(f"{k} {unit(v)}" for k, v in s["not_counted"].items())
+        peak = sum(s["parts"][k] for k in PHASES[s["peak_phase"]])
+        phase = f"left out: {other} {terms} (< {s['peak_phase']} {unit(peak)})"
+    if not m.optimizer_replicated:  # not trained (ref): no optimizer, forward only
+        return f"{phase} | no optimizer | activations: forward only"
+    used = ("offloaded to the host, 0 on the GPU" if lay.offload != "none" else
+            "distributed used" if lay.distributed_optimizer else "replicated used")
+    opt = (f"optimizer replicated {unit(m.optimizer_replicated)}, distributed (/DP{lay.dp}) "
+           f"{unit(m.optimizer_distributed)}: {used}")
+    act = ("no recompute" if lay.recompute == "none" else
+           f"activations without recompute {unit(m.activations_no_recompute)}")
+    return f"{phase} | {opt} | {act}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,36 +180,39 @@ def main(argv: list[str] | None = None) -> int:
     best_pp = recommend_pp(specs, gpus, hw, per_node)
     times = step_time(specs, gpus, hw)
     listing = {role: enumerate_layouts(spec, gpus, per_node, hw) for role, spec in specs.items()}
+    colo_role = max(rows, key=lambda r: rows[r].mem.transient)
+    colo_resident = {r: row.mem.resident for r, row in rows.items()}
     if args.json:
         print(json.dumps({
             "gpus": gpus, "hardware": hw.__dict__,
             "params": {r: total_params(s.arch, r) for r, s in specs.items()},
-            "configured": {r: {"layout": row.layout.label(), "gib": row.mem.as_gib(), "problems": row.problems}
-                           for r, row in rows.items()},
+            "configured": {r: {"layout": row.layout.label(), "memory_gib": memory_json(row.mem),
+                               "problems": row.problems} for r, row in rows.items()},
+            # the colocated total: every role's resident memory + the largest role's transient phase
+            "colocated": {"total_gib": total / GIB, "resident_gib": {r: v / GIB for r, v in colo_resident.items()},
+                          "transient_gib": rows[colo_role].mem.transient / GIB, "transient_role": colo_role,
+                          "transient_phase": peak_phase(rows[colo_role].mem)},
             "colocated_gib": total / GIB, "fits": not problems, "problems": problems, "recommended_pp": best_pp,
             "step_time_s": times,
             "layouts": {r: [{"layout": row.layout.label(), "tp": row.layout.tp, "pp": row.layout.pp,
                              "dp": row.layout.dp, "recompute": row.layout.recompute, "offload": row.layout.offload,
-                             "gib": row.mem.as_gib(), "feasible": row.feasible, "problems": row.problems}
+                             "memory_gib": memory_json(row.mem), "feasible": row.feasible, "problems": row.problems}
                             for row in rs] for r, rs in listing.items()},
         }, indent=1))
         return 0 if not problems else 1
+    shown = {r: rs if args.all else [x for x in rs if x.feasible] for r, rs in listing.items()}
+    unit = _Unit(max([total] + [x.mem.total for rs in shown.values() for x in rs]))
+    u = unit.name
     out = [f"megatron-ppo plan: {args.config} on {gpus} GPUs ({per_node} per node), {hw.gpu_mem_gib:g} GiB each "
-           f"({hw.headroom_gib:g} GiB headroom); GiB per GPU (M: MiB), worst pipeline stage"]
-    head = f"  {'layout':<34}" + "".join(f"{c[:10]:>11}" for c in COLUMNS) + "  note"
+           f"({hw.headroom_gib:g} GiB headroom)", "",
+           *_legend(u, args.breakdown)]
     for role, spec in specs.items():
         n = total_params(spec.arch, role)
         w = spec.work
         out += ["", f"{role}: {n:,} parameters ({n / 1e9:.2f}B); {w.param_bytes * 8}-bit weights, micro-batch {w.micro_batch}"
-                f" x {w.seq_len} tokens" + (f", generates {w.gen_batch} sequences per replica" if w.gen_batch else ""),
-                head]
+                f" x {w.seq_len} tokens" + (f", generates {w.gen_batch} sequences per replica" if w.gen_batch else "")]
         rs = listing[role]
-        shown = rs if args.all else [r for r in rs if r.feasible]
-        for row in shown:
-            d = row.mem.as_gib()
-            cells = "".join(f"{_gib(d[c] * GIB):>11}" for c in COLUMNS)
-            mark = "*" if row.layout == spec.layout else " "
-            out.append(f"{mark} {row.layout.label():<34}{cells}  {'; '.join(row.problems) or 'ok'}")
+        out += _layout_table(shown[role], spec, unit, args.breakdown)
         bad = len(rs) - sum(r.feasible for r in rs)
         if not args.all and bad:
             reasons = {}
@@ -89,14 +222,14 @@ def main(argv: list[str] | None = None) -> int:
                     reasons[key] = reasons.get(key, 0) + 1
             out.append(f"  ({bad} infeasible layouts not shown; --all lists them: " +
                        "; ".join(f"{k}: {v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])[:4]) + ")")
-    out += ["", "configured layouts, colocated (every role's weights, grads and optimizer resident on each GPU):"]
-    for role, row in rows.items():
-        m = row.mem
-        out.append(f"  {role:<7}{row.layout.label():<36} resident {_gib(m.resident)}  transient {_gib(m.transient)}"
-                   f"  (weights {_gib(m.weights).strip()}, grads {_gib(m.grads).strip()}, optimizer "
-                   f"{_gib(m.optimizer).strip()}, activations {_gib(m.activations).strip()}, logits "
-                   f"{_gib(m.logits).strip()}, kv {_gib(m.kv_cache).strip()})")
-    out.append(f"  total {total / GIB:.1f} GiB per GPU of {hw.gpu_mem_gib - hw.headroom_gib:g} usable: "
+    out += ["", f"configured layouts, colocated ({u} per GPU): every role's resident memory + the largest transient "
+            "phase (they take turns)"]
+    cells = [[role, row.layout.label()] + [unit(getattr(row.mem, k)) for k in RESIDENT]
+             + [unit(row.mem.resident), unit(row.mem.transient), peak_phase(row.mem)] for role, row in rows.items()]
+    out += _table(["role", "layout", *RESIDENT, "resident", "transient", "phase"], cells, left=(0, 1))
+    out.append(f"  total = resident {unit(sum(colo_resident.values()))} + the largest transient "
+               f"{unit(rows[colo_role].mem.transient)} ({colo_role} {peak_phase(rows[colo_role].mem)}) = "
+               f"{unit(total)} {u} per GPU of {hw.gpu_mem_gib - hw.headroom_gib:g} GiB usable: "
                + ("FITS" if not problems else "DOES NOT FIT: " + "; ".join(problems)))
     out.append(f"  smallest PP at which the colocated roles fit with {MARGIN:.0%} to spare (TP and the rest as "
                f"configured): {best_pp}")
