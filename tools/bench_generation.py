@@ -83,6 +83,7 @@ def timed(fn):
 
 
 def run(args) -> dict:
+    args.threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -217,7 +218,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=["16x64", "64x128"], help="PROMPTSxNEW_TOKENS")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for both sides (default: every CPU of this process, what the product gives "
+                         "one rank per role: cluster.num_cpus_per_rank=auto)")
     ap.add_argument("--before-rev", default=None, help="also time the generation.py of this git revision")
     ap.add_argument("--before-cases", nargs="*", default=None, help="cases that also time --before-rev (default: all)")
     ap.add_argument("--profile", action="store_true")

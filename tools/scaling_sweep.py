@@ -67,8 +67,8 @@ def run_point(args, model: str, ranks: int, batch: int, mode: str) -> dict:
         cmd = ["sbatch", "--wait", f"--output={log_dir}/job.out", f"--cpus-per-task={ranks}",
                f"--export=ALL,CONFIG={args.config},MPPO_RUN_DIR={log_dir}", *args.sbatch_arg, args.script, *ov]
     else:
-        cmd = [str(REPO / ".venv/bin/megatron-ppo"), "train", "--config", args.config, *ov,
-               f"cluster.num_cpus_per_rank={args.cpus_per_rank}"]
+        cmd = [str(REPO / ".venv/bin/megatron-ppo"), "train", "--config", args.config, *ov] + (
+            [f"cluster.num_cpus_per_rank={args.cpus_per_rank}"] if args.cpus_per_rank else [])
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / "run.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-per-rank", type=int, default=4, help="weak scaling: prompts per step per rank")
     p.add_argument("--steps", type=int, default=2, help="measured steps (after one warm-up step)")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--cpus-per-rank", type=float, default=1.0)
+    p.add_argument("--cpus-per-rank", type=float, default=None,
+                   help="cluster.num_cpus_per_rank of every point (default: the product's, auto)")
     p.add_argument("--modes", nargs="+", default=["strong", "weak"], choices=["strong", "weak"])
     p.add_argument("--slurm", action="store_true", help="each point as `sbatch --wait SCRIPT`")
     p.add_argument("--script", default="slurm/ppo_tiny.sh", help="--slurm: the job script (repo-relative)")
