@@ -16,7 +16,8 @@
 * Ours runs twice per pair: verl's default (old log-probs recomputed by the actor) and with
   algorithm.rollout_correction.bypass_mode (the rollout's log-probs are the old ones, which is what TRL does).
 * The systems alternate (TRL, ours, ours-bypass, ours-bypass, ours, TRL, ...) for --pairs pairs of --steps steps
-  each; step-time medians exclude each run's first step (warm-up). Peak RSS: the max resident set of each run's process tree.
+  each; step-time medians exclude each run's first step (warm-up). Peak memory: the largest sum of PSS over each run's process tree (Ray's
+  ranks included), sampled every 0.5 s.
 * The generation table comes from tools/bench_generation.py (HF `generate` vs ours vs the loop of --before-rev,
   interleaved in one process) with a torch-profiler view of one rollout.
 """
@@ -55,20 +56,32 @@ def ensure_peer_venv() -> Path:
 
 
 def run_measured(cmd: list[str], log: Path, env=None) -> tuple[int, float, float]:
-    """(exit code, wall s, peak RSS GB of the process tree) of ``cmd``; peak RSS from a wrapper process's
-    RUSAGE_CHILDREN (the largest waited-for descendant)."""
-    wrapper = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
-               "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+    """(exit code, wall s, peak memory GB of the process tree) of ``cmd``. Memory: the largest sum, over samples
+    every 0.5 s, of the proportional set size (PSS: shared pages split between their users) of the command and all
+    its descendants, which includes a local Ray cluster's raylet and rank workers. (The earlier measure, the
+    wrapper's RUSAGE_CHILDREN max RSS, sees only waited-for children: it missed the Ray ranks entirely.)"""
+    import psutil
+
     t0 = time.perf_counter()
+    peak = 0
     with log.open("w") as f:
-        proc = subprocess.run([sys.executable, "-c", wrapper, *cmd], stdout=subprocess.PIPE, stderr=f, text=True,
-                              env=env, cwd=REPO)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            total = 0
+            try:
+                tree = [root] + root.children(recursive=True)
+            except psutil.Error:
+                tree = []
+            for p in tree:
+                try:
+                    total += p.memory_full_info().pss
+                except psutil.Error:  # gone between listing and reading
+                    pass
+            peak = max(peak, total)
+            time.sleep(0.5)
     wall = time.perf_counter() - t0
-    f_out = proc.stdout
-    peak = [int(line.split()[1]) for line in f_out.splitlines() if line.startswith("PEAK_RSS_KB")]
-    with log.open("a") as f:
-        f.write(f_out)
-    return proc.returncode, wall, (peak[-1] / 1e6 if peak else float("nan"))
+    return proc.returncode, wall, peak / 1e9
 
 
 def write_prompts(n: int) -> tuple[Path, Path]:
@@ -188,7 +201,7 @@ def generation_goal(ppo: dict, gen: dict | None) -> str:
         return ""
     hf = {f"{c['prompts']}x{c['new_tokens']}": c["systems"]["hf_generate"]["tok_s"] for c in gen["cases"]}
     lines = ["#### Generation through the product vs HF `generate`", "",
-             f"Ours: the rollout phase of the PPO runs below (`timing/gen`, generated tokens over its seconds, "
+             f"Ours: the rollout phase of the PPO runs above (`timing/gen`, generated tokens over its seconds, "
              f"median of the measured steps; Ray, one rank per role). HF `generate`: the table above, "
              f"{gen.get('threads')} threads, same run.", "",
              "| case | ours tokens/s | HF `generate` tokens/s | ours / HF |", "|---|---|---|---|"]
@@ -230,7 +243,7 @@ def ppo_section(results: dict) -> str:
         for _, runs in variants:
             pb = max((x["peak_rss_gb"] for x in runs), default=float("nan"))
             cells.append(f"{pb:.1f} | {pb / pa:.2f}")
-        lines.append(f"| peak RSS GB (max over runs) | {pa:.1f} | " + " | ".join(cells) + " |")
+        lines.append(f"| peak memory GB (process tree PSS, max over runs) | {pa:.1f} | " + " | ".join(cells) + " |")
         lines.append(f"| load average during the runs | {res['load']} |" + " |" * (2 * len(variants)))
         lines.append("")
     return "\n".join(lines)
