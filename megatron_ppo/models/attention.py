@@ -13,6 +13,7 @@ Mask convention: megatron masks are True = masked out; SDPA's boolean masks are 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 
@@ -26,9 +27,30 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
+VARLEN_KWARGS = ("scale", "window_size", "enable_gqa")  # what the 'varlen' THD path passes
+
+
+def varlen_usable(fn) -> bool:
+    """True when torch's ``varlen_attn`` takes the keywords we pass (torch 2.13 does; 2.9's has no ``scale``,
+    ``window_size`` or ``enable_gqa`` and would raise TypeError mid-forward)."""
+    import inspect
+
+    if fn is None:
+        return False
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(name in params for name in VARLEN_KWARGS)
+
+
 try:  # torch >= 2.9: flash-attention varlen kernel (CUDA only)
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # pragma: no cover - depends on the torch build
+    _varlen_attn = None
+if _varlen_attn is not None and not varlen_usable(_varlen_attn):  # pragma: no cover - older torch
+    logging.getLogger(__name__).info("torch %s's varlen_attn lacks %s: packed THD attention uses per-sequence "
+                                     "SDPA", torch.__version__, "/".join(VARLEN_KWARGS))
     _varlen_attn = None
 
 THD_STRATEGIES = ("auto", "varlen", "per_sequence", "block_mask")
@@ -123,6 +145,9 @@ class SDPACoreAttention(MegatronModule):
     def _pick_thd_strategy(self, q, p):
         if self.thd_strategy == "varlen" and p > 0:
             raise ValueError("SDPACoreAttention: the varlen THD kernel has no attention dropout")
+        if self.thd_strategy == "varlen" and _varlen_attn is None:
+            raise ValueError(f"SDPACoreAttention: MEGATRON_PPO_THD_ATTENTION=varlen but torch {torch.__version__} has "
+                             f"no usable varlen_attn (it needs torch.nn.attention.varlen with {VARLEN_KWARGS})")
         if self.thd_strategy != "auto":
             return self.thd_strategy
         if _varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and p == 0:

@@ -144,7 +144,7 @@ def transformer_config(
     on_cpu = cpu_platform_needed()
     if on_cpu and params_dtype not in (torch.float32, torch.float64, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype} is not supported on CPU")
-    impl = resolve_transformer_impl(transformer_impl)
+    impl = resolve_transformer_impl(transformer_impl, params_dtype)
     activation = {"swiglu": F.silu, "silu": F.silu, "gelu": F.gelu}[arch.activation]
     kwargs = dict(
         num_layers=arch.num_layers,

@@ -1,5 +1,8 @@
 """Transformer layer specs: Transformer-Engine when it imports, else megatron's local modules with SDPA attention.
 
+fp32 models take the local spec even where TE imports: training micro-batches are packed THD, TE disables its
+unfused attention backend for THD, and its flash / fused backends need fp16 or bf16, so TE would find no backend.
+
 The local spec is megatron's ``get_gpt_layer_local_spec`` with two substitutions: core attention becomes
 ``SDPACoreAttention`` (THD, GQA, KV cache, flash/efficient SDPA kernels) and the norms become
 ``layers.Norm`` (fp32 RMSNorm that supports sequence parallelism by tagging its parameters).
@@ -37,13 +40,34 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def resolve_transformer_impl(transformer_impl: str) -> str:
+TE_DTYPES_NOTE = ("Transformer Engine has no attention backend for packed THD micro-batches in {dtype}: its unfused "
+                  "backend is disabled for THD and its flash / fused backends need float16 or bfloat16")
+
+
+def te_supports_dtype(params_dtype) -> bool:
+    """TE's THD attention runs in fp16/bf16 only (see the module docstring); None: not known, assume yes."""
+    import torch
+
+    return params_dtype is None or params_dtype in (torch.float16, torch.bfloat16)
+
+
+def resolve_transformer_impl(transformer_impl: str, params_dtype=None) -> str:
+    """'auto': TE where it imports and the dtype has a TE attention backend for THD, else 'local'. An explicit
+    'transformer_engine' that cannot run is refused with the reason."""
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"transformer_impl={transformer_impl!r} not in {TRANSFORMER_IMPLS}")
     if transformer_impl == "auto":
-        return "transformer_engine" if transformer_engine_available() else "local"
+        if not transformer_engine_available():
+            return "local"
+        if not te_supports_dtype(params_dtype):
+            logger.info("%s: using the local spec with SDPA attention", TE_DTYPES_NOTE.format(dtype=params_dtype))
+            return "local"
+        return "transformer_engine"
     if transformer_impl == "transformer_engine" and not transformer_engine_available():
         raise RuntimeError("transformer_impl='transformer_engine' but Transformer Engine is not usable here")
+    if transformer_impl == "transformer_engine" and not te_supports_dtype(params_dtype):
+        raise ValueError(f"transformer_impl='transformer_engine' with params_dtype={params_dtype}: "
+                         + TE_DTYPES_NOTE.format(dtype=params_dtype) + "; use bfloat16 or transformer_impl='local'")
     return transformer_impl
 
 
@@ -67,7 +91,7 @@ def te_layer_spec() -> ModuleSpec:
 
 def decoder_block_spec(config, transformer_impl: str, vp_stage=None):
     """The spec GPTModel takes: a layer spec for TE (megatron adds TENorm), explicit block submodules locally."""
-    impl = resolve_transformer_impl(transformer_impl)
+    impl = resolve_transformer_impl(transformer_impl, config.params_dtype)
     if impl == "transformer_engine":
         return te_layer_spec()
     layer = local_layer_spec(config.normalization)

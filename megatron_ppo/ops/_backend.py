@@ -1,7 +1,8 @@
 """Which implementation serves an op: the compiled kernels for the tensor's device, or the torch reference.
 
 ``MEGATRON_PPO_OPS`` (read at every call, so tests and debug sessions can flip it):
-  ``auto`` (default)  kernels when the extension for the device is importable, else the torch reference;
+  ``auto`` (default)  kernels when the extension for the device is importable, else the torch reference, with a
+                      WARNING naming the import error (a GPU run on the reference loops GAE over T in Python);
   ``reference``       always the torch reference (debugging, bisecting a numerical difference);
   ``kernels``         kernels or a RuntimeError (CI/GPU checks that must not silently test the fallback).
 ``set_mode()`` overrides the environment from code (e.g. from a config key).
@@ -95,6 +96,8 @@ def _log_once(op: str, device_type: str, module: ModuleType | None) -> None:
     _logged.add(key)
     if module is not None:
         logger.info("megatron_ppo.ops.%s: %s kernels (%s)", op, device_type, module.__name__)
-    else:
-        why = "forced by " + ENV_VAR if mode() == "reference" else _load_errors.get(device_type, "")
-        logger.info("megatron_ppo.ops.%s: torch reference on %s (%s)", op, device_type, why)
+    elif mode() == "reference":
+        logger.info("megatron_ppo.ops.%s: torch reference on %s (forced by %s)", op, device_type, ENV_VAR)
+    else:  # the kernels for this device did not load: a silent fallback would be a slow run nobody asked for
+        logger.warning("megatron_ppo.ops.%s: torch reference on %s, the compiled kernels did not load (%s); "
+                       "%s=kernels makes this an error", op, device_type, _load_errors.get(device_type, ""), ENV_VAR)

@@ -73,3 +73,24 @@ def test_choice_is_logged_once(monkeypatch, caplog):
             ops.gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), 0.9, 0.9)
     lines = [r.getMessage() for r in caplog.records if "ops.gae" in r.getMessage()]
     assert lines == ["megatron_ppo.ops.gae: cpu kernels (megatron_ppo._kernels_cpu)"]
+
+
+def test_a_kernel_extension_that_fails_to_load_is_a_warning_under_auto_and_an_error_under_kernels(monkeypatch, caplog):
+    """A CUDA (or CPU) extension that does not import must not leave a run quietly on the torch reference."""
+    monkeypatch.setattr(_backend, "_EXTENSIONS", {"cpu": "megatron_ppo._no_such_kernels"})
+    monkeypatch.setattr(_backend, "_modules", {})
+    monkeypatch.setattr(_backend, "_load_errors", {})
+    monkeypatch.setattr(_backend, "_logged", set())
+    monkeypatch.setenv("MEGATRON_PPO_OPS", "auto")
+    with caplog.at_level(logging.INFO, logger="megatron_ppo.ops"):
+        assert _backend.kernels_for(torch.device("cpu"), "gae") is None
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "megatron_ppo._no_such_kernels not importable" in warned[0].getMessage()
+    monkeypatch.setenv("MEGATRON_PPO_OPS", "kernels")
+    with pytest.raises(RuntimeError, match="no cpu kernels for ops.gae: megatron_ppo._no_such_kernels"):
+        _backend.kernels_for(torch.device("cpu"), "gae")
+    monkeypatch.setenv("MEGATRON_PPO_OPS", "reference")  # asked for: not a warning
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_ppo.ops"):
+        _backend.kernels_for(torch.device("cpu"), "logprob")
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
