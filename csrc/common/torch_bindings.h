@@ -84,6 +84,9 @@ inline at::Tensor grad_buffer(const at::Tensor& logits, const c10::optional<at::
   TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
                   grad.device() == logits.device() && grad.stride(1) == 1,
               "out must have the logits' shape, dtype and device, contiguous in the vocabulary dim");
+  // Rows are written concurrently; the logits are only read, so their rows may overlap (e.g. expanded), out's not.
+  TORCH_CHECK(grad.size(0) <= 1 || grad.stride(0) >= grad.size(1), "out's rows must not overlap (stride(0) = ",
+              grad.stride(0), " < V = ", grad.size(1), ")");
   return grad;
 }
 

@@ -45,9 +45,10 @@ std::vector<at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
   return {adv, ret, counts};
 }
 
+// Checks the devices first: c10::cuda::CUDAGuard on a CPU device is an internal assert, not a message.
 mppo_logits describe(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                      double inv_temperature) {
-  TORCH_CHECK(logits.is_cuda(), "logits must be a CUDA tensor");
+  TORCH_CHECK(logits.is_cuda(), "logits must be a CUDA tensor, got ", logits.device());
   check_cuda(target, logits, "target_ids");
   return mppo_bind::describe(logits, target, vocab_start, inv_temperature);
 }
@@ -61,8 +62,8 @@ int sm_count() {
 
 at::Tensor lse_partials(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                         double inv_temperature) {
+  const mppo_logits in = describe(logits, target, vocab_start, inv_temperature);  // device checks before the guard
   const c10::cuda::CUDAGuard guard(logits.device());
-  const mppo_logits in = describe(logits, target, vocab_start, inv_temperature);
   const int sm = sm_count();
   auto out = at::empty({4, logits.size(0)}, logits.options().dtype(mppo_bind::stats_dtype(in.dtype)));
   const size_t ws_bytes = mppo_cuda_lse_workspace_bytes(in.n_rows, in.vocab, in.dtype, sm);
@@ -77,9 +78,9 @@ at::Tensor lse_backward(const at::Tensor& logits, const at::Tensor& target, int6
                         double inv_temperature, const at::Tensor& log_z, const at::Tensor& entropy,
                         const at::Tensor& grad_logp, const at::Tensor& grad_entropy,
                         const c10::optional<at::Tensor>& out) {
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const mppo_logits in = describe(logits, target, vocab_start, inv_temperature);
+  const mppo_logits in = describe(logits, target, vocab_start, inv_temperature);  // device checks before the guard
   for (const auto* t : {&log_z, &entropy, &grad_logp, &grad_entropy}) check_cuda(*t, logits, "row statistics");
+  const c10::cuda::CUDAGuard guard(logits.device());
   const auto rows = mppo_bind::row_statistics(in, {&log_z, &entropy, &grad_logp, &grad_entropy});
   at::Tensor grad = mppo_bind::grad_buffer(logits, out);
   check_launch(mppo_cuda_lse_backward(in, rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(),

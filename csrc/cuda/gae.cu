@@ -8,27 +8,11 @@
 //           thread then replays its steps serially (bitwise the same recursion as serial inside a thread).
 //           Tiles of THREADS*ITEMS steps are walked from the end of the row, carrying the state.
 #include "common.cuh"
+#include "gae_math.cuh"  // Affine / compose / gae_step / compose_items / replay_items: shared with the host harness
 #include "kernels.h"
 
 namespace mppo_cuda {
 namespace {
-
-// s = F(s') with N = a N' + b1, A = g N' + c A' + b2.
-template <typename Acc>
-struct Affine {
-  Acc a, g, c, b1, b2;
-};
-
-template <typename Acc>
-__device__ __forceinline__ Affine<Acc> identity() {
-  return {Acc(1), Acc(0), Acc(1), Acc(0), Acc(0)};
-}
-
-// f o h (apply h first).
-template <typename Acc>
-__device__ __forceinline__ Affine<Acc> compose(const Affine<Acc>& f, const Affine<Acc>& h) {
-  return {f.a * h.a, f.g * h.a + f.c * h.g, f.c * h.c, f.a * h.b1 + f.b1, f.g * h.b1 + f.c * h.b2 + f.b2};
-}
 
 template <typename Acc>
 __device__ __forceinline__ Affine<Acc> shfl_down(const Affine<Acc>& x, int offset) {
@@ -73,8 +57,7 @@ __global__ void gae_serial_kernel(const R* __restrict__ rewards, const V* __rest
       const Acc r = load<Acc>(rewards, i), v = load<Acc>(values, i);
       bad_rewards += !isfinite(r);
       bad_values += !isfinite(v);
-      last_gae = r + gamma * next_value - v + gamma_lam * last_gae;
-      next_value = v;
+      gae_step(next_value, last_gae, r, v, gamma, gamma_lam);
       store(adv, i, last_gae);
       store(ret, i, last_gae + v);
     } else {
@@ -121,14 +104,7 @@ __global__ void __launch_bounds__(THREADS) gae_scan_kernel(const R* __restrict__
     __syncthreads();
 
     const int first = tid * ITEMS;
-    Affine<Acc> mine = identity<Acc>();
-#pragma unroll
-    for (int j = ITEMS - 1; j >= 0; --j) {
-      if (s_m[first + j]) {
-        const Affine<Acc> step = {Acc(0), gamma, gamma_lam, s_v[first + j], s_r[first + j] - s_v[first + j]};
-        mine = compose(step, mine);
-      }
-    }
+    const Affine<Acc> mine = compose_items<ITEMS>(s_m, s_r, s_v, first, gamma, gamma_lam);
     Affine<Acc> suffix = mine;  // inclusive suffix composition within the warp: lane .. 31
 #pragma unroll
     for (int offset = 1; offset < 32; offset <<= 1) {
@@ -144,32 +120,15 @@ __global__ void __launch_bounds__(THREADS) gae_scan_kernel(const R* __restrict__
       for (int w = WARPS - 1; w >= 0; --w) {
         s_warp_state[w][0] = n_state;
         s_warp_state[w][1] = a_state;
-        const Affine<Acc>& f = s_warp_total[w];
-        const Acc next_n = f.a * n_state + f.b1;
-        a_state = f.g * n_state + f.c * a_state + f.b2;
-        n_state = next_n;
+        apply(s_warp_total[w], n_state, a_state);
       }
       s_carry[0] = n_state;
       s_carry[1] = a_state;
     }
     __syncthreads();
-    const Acc wn = s_warp_state[warp][0], wa = s_warp_state[warp][1];
-    Acc next_value = after_me.a * wn + after_me.b1;
-    Acc last_gae = after_me.g * wn + after_me.c * wa + after_me.b2;
-#pragma unroll
-    for (int j = ITEMS - 1; j >= 0; --j) {
-      const int i = first + j;
-      if (s_m[i]) {
-        const Acc v = s_v[i];
-        last_gae = s_r[i] + gamma * next_value - v + gamma_lam * last_gae;
-        next_value = v;
-        s_r[i] = last_gae;
-        s_v[i] = last_gae + v;
-      } else {
-        s_r[i] = Acc(0);
-        s_v[i] = Acc(0);
-      }
-    }
+    Acc next_value = s_warp_state[warp][0], last_gae = s_warp_state[warp][1];
+    apply(after_me, next_value, last_gae);  // the state at this thread's right boundary
+    replay_items<ITEMS>(s_m, s_r, s_v, first, next_value, last_gae, gamma, gamma_lam);
     __syncthreads();
     for (int i = tid; i < n; i += THREADS) {
       const int64_t g = row + tile_start + i;

@@ -2,73 +2,12 @@
 // online (max, sum exp, sum exp * shifted logit) triple, blocks merge triples with warp shuffles, and rows are split
 // over several blocks only when there are too few rows to fill the GPU (a second tiny kernel merges the splits).
 // Loads and stores are 16-byte vectors when the row is 16-byte aligned.
-#include <math_constants.h>
-
 #include "common.cuh"
 #include "kernels.h"
+#include "lse_math.cuh"  // online_add / merge / accumulate_columns / chunk_for: shared with the host test harness
 
 namespace mppo_cuda {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr int64_t kMinElementsPerBlock = 16384;
-constexpr int kBlocksPerSm = 4;
-
-template <typename T> struct Vec16 { static constexpr int N = 16 / sizeof(T); };
-
-template <typename T>
-union Pack16 {
-  uint4 raw;
-  T e[Vec16<T>::N];
-};
-
-template <typename Acc> __device__ __forceinline__ Acc elem(float x) { return static_cast<Acc>(x); }
-template <typename Acc> __device__ __forceinline__ Acc elem(double x) { return static_cast<Acc>(x); }
-template <typename Acc>
-__device__ __forceinline__ Acc elem(uint16_t x) { return static_cast<Acc>(mppo_bf16_to_float(x)); }
-
-template <typename Acc>
-struct Triple {
-  Acc m, s, w;  // max, sum exp(x - m), sum exp(x - m) (x - m)
-};
-
-template <typename Acc>
-__device__ __forceinline__ Acc neg_inf();
-template <> __device__ __forceinline__ float neg_inf<float>() { return -CUDART_INF_F; }
-template <> __device__ __forceinline__ double neg_inf<double>() { return -CUDART_INF; }
-
-template <typename Acc>
-__device__ __forceinline__ void online_add(Triple<Acc>& t, Acc x) {
-  if (x > t.m) {  // rescale what was summed so far onto the new max (rare after the first elements)
-    const Acc shift = t.m - x;  // <= 0; -inf on the first finite element
-    const Acc scale = fast_exp(shift);
-    t.w = t.s > Acc(0) ? scale * (t.w + shift * t.s) : Acc(0);
-    t.s *= scale;
-    t.m = x;
-  }
-  const Acc d = x - t.m;
-  const Acc e = fast_exp(d);
-  t.s += e;
-  t.w += e > Acc(0) ? e * d : Acc(0);  // guards 0 * -inf; NaN still reaches t.s
-}
-
-template <typename Acc>
-__device__ __forceinline__ Triple<Acc> merge(const Triple<Acc>& x, const Triple<Acc>& y) {
-  const Acc m = x.m > y.m ? x.m : y.m;
-  if (m == neg_inf<Acc>()) return {m, x.s + y.s, Acc(0)};  // empty/-inf rows: 0; NaN (seen only in s) survives
-  Triple<Acc> out{m, Acc(0), Acc(0)};
-  if (x.s > Acc(0) || x.s != x.s) {
-    const Acc shift = x.m - m, scale = fast_exp(shift);
-    out.s += scale * x.s;
-    out.w += scale * (x.w + shift * x.s);
-  }
-  if (y.s > Acc(0) || y.s != y.s) {
-    const Acc shift = y.m - m, scale = fast_exp(shift);
-    out.s += scale * y.s;
-    out.w += scale * (y.w + shift * y.s);
-  }
-  return out;
-}
 
 template <typename Acc>
 __device__ __forceinline__ Triple<Acc> block_merge(Triple<Acc> t) {
@@ -83,7 +22,7 @@ __device__ __forceinline__ Triple<Acc> block_merge(Triple<Acc> t) {
   if (lane == 0) s_warp[warp] = t;
   __syncthreads();
   if (warp == 0) {
-    t = lane < kThreads / 32 ? s_warp[lane] : Triple<Acc>{neg_inf<Acc>(), Acc(0), Acc(0)};
+    t = lane < kThreads / 32 ? s_warp[lane] : empty_triple<Acc>();
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
       Triple<Acc> o{__shfl_down_sync(0xffffffffu, t.m, offset), __shfl_down_sync(0xffffffffu, t.s, offset),
@@ -99,26 +38,13 @@ __device__ __forceinline__ Triple<Acc> block_merge(Triple<Acc> t) {
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(kThreads) lse_partials_kernel(mppo_logits in, int64_t chunk, Acc* __restrict__ out,
                                                                Acc* __restrict__ partial) {
-  constexpr int VEC = Vec16<T>::N;
   const int64_t row = blockIdx.x, n_rows = in.n_rows, vocab = in.vocab;
   const int64_t start = static_cast<int64_t>(blockIdx.y) * chunk;
   const int64_t stop = start + chunk < vocab ? start + chunk : vocab;
   const T* x = static_cast<const T*>(in.data) + row * in.row_stride;
   const Acc scale = static_cast<Acc>(in.inv_temperature);
-  Triple<Acc> t{neg_inf<Acc>(), Acc(0), Acc(0)};
-  int64_t scalar_from = start;
-  if ((reinterpret_cast<uintptr_t>(x + start) & 15) == 0) {
-    const int64_t n_vec = (stop - start) / VEC;
-    const uint4* xv = reinterpret_cast<const uint4*>(x + start);
-    for (int64_t k = threadIdx.x; k < n_vec; k += kThreads) {
-      Pack16<T> p;
-      p.raw = __ldg(xv + k);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) online_add(t, elem<Acc>(p.e[e]) * scale);
-    }
-    scalar_from = start + n_vec * VEC;
-  }
-  for (int64_t j = scalar_from + threadIdx.x; j < stop; j += kThreads) online_add(t, elem<Acc>(x[j]) * scale);
+  Triple<Acc> t = empty_triple<Acc>();
+  accumulate_columns<kThreads>(t, x, start, stop, threadIdx.x, scale);
   t = block_merge(t);
   if (threadIdx.x != 0) return;
   if (gridDim.y == 1) {
@@ -141,7 +67,7 @@ __global__ void merge_splits_kernel(mppo_logits in, int splits, const Acc* __res
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t n_rows = in.n_rows;
   if (row >= n_rows) return;
-  Triple<Acc> t{neg_inf<Acc>(), Acc(0), Acc(0)};
+  Triple<Acc> t = empty_triple<Acc>();
   for (int k = 0; k < splits; ++k) {
     const Acc* p = partial + (row * splits + k) * 3;
     t = merge(t, Triple<Acc>{p[0], p[1], p[2]});
@@ -211,25 +137,11 @@ __global__ void __launch_bounds__(kThreads) lse_backward_kernel(mppo_logits in, 
     g[j] = to_elem<T>(grad_elem<Acc>(elem<Acc>(x[j]), scale, lz, shift, glp, gent, j == local));
 }
 
-// Blocks per row: enough blocks in total to fill the GPU, never fewer than kMinElementsPerBlock per block.
-int64_t chunk_for(int64_t n_rows, int64_t vocab, int sm_count) {
-  const int64_t quantum = static_cast<int64_t>(kThreads) * 8;
-  const int64_t want_blocks = static_cast<int64_t>(sm_count > 0 ? sm_count : 132) * kBlocksPerSm;
-  int64_t splits = n_rows >= want_blocks ? 1 : (want_blocks + n_rows - 1) / n_rows;
-  const int64_t max_splits = (vocab + kMinElementsPerBlock - 1) / kMinElementsPerBlock;
-  if (splits > max_splits) splits = max_splits;
-  if (splits < 1) splits = 1;
-  if (splits > 65535) splits = 65535;
-  int64_t chunk = (vocab + splits - 1) / splits;
-  chunk = (chunk + quantum - 1) / quantum * quantum;
-  return chunk > 0 ? chunk : quantum;
-}
-
 template <typename T, typename Acc>
 cudaError_t launch_partials(const mppo_logits& in, Acc* out, void* workspace, size_t workspace_bytes, int sm_count,
                             cudaStream_t stream) {
   const int64_t chunk = chunk_for(in.n_rows, in.vocab, sm_count);
-  const unsigned int splits = ceil_div(in.vocab, chunk);
+  const unsigned int splits = static_cast<unsigned int>(splits_for(in.vocab, chunk));
   if (splits > 1 && workspace_bytes < static_cast<size_t>(in.n_rows) * splits * 3 * sizeof(Acc))
     return cudaErrorInvalidValue;
   Acc* partial = static_cast<Acc*>(workspace);
@@ -253,16 +165,13 @@ cudaError_t launch_backward(const mppo_logits& in, const void* log_z, const void
   return cudaGetLastError();
 }
 
-bool valid(const mppo_logits& in) {
-  return in.n_rows <= 0x7fffffff && in.vocab > 0 && in.row_stride >= in.vocab && in.inv_temperature > 0;
-}
-
 }  // namespace
 }  // namespace mppo_cuda
 
 extern "C" size_t mppo_cuda_lse_workspace_bytes(int64_t n_rows, int64_t vocab, mppo_dtype dtype, int sm_count) {
+  if (n_rows <= 0 || vocab <= 0) return 0;  // nothing to launch (and no division by n_rows = 0)
   const int64_t chunk = mppo_cuda::chunk_for(n_rows, vocab, sm_count);
-  const int64_t splits = (vocab + chunk - 1) / chunk;
+  const int64_t splits = mppo_cuda::splits_for(vocab, chunk);
   if (splits <= 1) return 0;
   const size_t acc = dtype == MPPO_F64 ? sizeof(double) : sizeof(float);
   return static_cast<size_t>(n_rows) * splits * 3 * acc;
@@ -271,8 +180,8 @@ extern "C" size_t mppo_cuda_lse_workspace_bytes(int64_t n_rows, int64_t vocab, m
 extern "C" cudaError_t mppo_cuda_lse_partials(mppo_logits in, void* out, void* workspace, size_t workspace_bytes,
                                               int sm_count, cudaStream_t stream) {
   using namespace mppo_cuda;
+  if (!lse_args_valid(in)) return cudaErrorInvalidValue;
   if (in.n_rows == 0) return cudaSuccess;
-  if (!valid(in)) return cudaErrorInvalidValue;
   switch (in.dtype) {
     case MPPO_F32:
       return launch_partials<float>(in, static_cast<float*>(out), workspace, workspace_bytes, sm_count, stream);
@@ -288,8 +197,8 @@ extern "C" cudaError_t mppo_cuda_lse_backward(mppo_logits in, const void* log_z,
                                               const void* grad_logp, const void* grad_entropy, void* grad,
                                               int64_t grad_row_stride, int sm_count, cudaStream_t stream) {
   using namespace mppo_cuda;
+  if (!lse_args_valid(in) || !lse_grad_rows_valid(in, grad_row_stride)) return cudaErrorInvalidValue;
   if (in.n_rows == 0) return cudaSuccess;
-  if (!valid(in)) return cudaErrorInvalidValue;
   switch (in.dtype) {
     case MPPO_F32:
       return launch_backward<float, float>(in, log_z, entropy, grad_logp, grad_entropy, grad, grad_row_stride,
