@@ -6,7 +6,23 @@ PIP    := $(PY) -m pip install -c constraints-cpu.txt
 STAMP  := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup train test test-fast bench clean
+# megatron-core 0.19.x beside the venv's 0.16.1, without a second venv (docs/models.md, "megatron-core versions"):
+# an overlay directory put in front of PYTHONPATH (`megatron` is a namespace package). --no-deps: megatron-core
+# needs only torch, numpy and packaging, which the venv has; triton (imported by 0.18+) depends on nothing torch.
+MCORE_NEXT     ?= 0.19.2
+TRITON_NEXT    ?= 3.9.0
+MCORE_NEXT_DIR := .mcore-$(MCORE_NEXT)
+# The fast model, worker and conversion tests run against it (`make test-mcore-next`, CI's second stage).
+# test_mcore_compat first: with MPPO_EXPECT_MCORE set, its collection fails at once if the overlay does not apply.
+MCORE_NEXT_TESTS ?= tests/unit/test_mcore_compat.py $(wildcard tests/unit/test_models_*.py) \
+	tests/integration/test_models_single.py tests/integration/test_models_parallel.py \
+	tests/integration/test_models_checkpoint.py tests/integration/test_models_checkpoint_refusals.py \
+	tests/integration/test_mcore_versions.py $(wildcard tests/integration/test_worker_*.py) \
+	tests/integration/test_convert_tiny.py tests/integration/test_convert_run_checkpoint.py
+MCORE_NEXT_ENV = NO_VCS_VERSION=1 MPPO_EXPECT_MCORE=$(MCORE_NEXT) \
+	PYTHONPATH=$(CURDIR)/$(MCORE_NEXT_DIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
+.PHONY: setup train test test-fast bench clean setup-mcore-next test-mcore-next
 
 setup: $(STAMP)
 
@@ -29,6 +45,23 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+setup-mcore-next: $(MCORE_NEXT_DIR)/.setup-stamp
+
+$(MCORE_NEXT_DIR)/.setup-stamp: | $(STAMP)
+	rm -rf $(MCORE_NEXT_DIR)
+	$(PIP) -q --no-deps --ignore-requires-python --target $(MCORE_NEXT_DIR) \
+		megatron-core==$(MCORE_NEXT) triton==$(TRITON_NEXT)
+	$(MCORE_NEXT_ENV) $(PY) -c "import megatron_ppo.compat.mcore"  # the guard: fails unless the overlay applies
+	touch $@
+
+# 1. on the venv's megatron-core: checkpoints written by $(MCORE_NEXT) (in a subprocess): refused by name (0.19+);
+# 2. on $(MCORE_NEXT): the fast model, worker and conversion tests (MPPO_EXPECT_MCORE: fails if the overlay is gone).
+test-mcore-next: setup-mcore-next
+	MPPO_MCORE_NEXT=$(MCORE_NEXT_DIR) $(PY) -m pytest \
+		tests/integration/test_mcore_versions.py::test_real_cross_version_checkpoints \
+		$(PYTEST_ARGS)
+	$(MCORE_NEXT_ENV) $(PY) -m pytest $(MCORE_NEXT_TESTS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf build *.egg-info megatron_ppo/*.so

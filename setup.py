@@ -13,7 +13,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 INSTALL_REQUIRES = [
     # torch is pinned through constraints-cpu.txt on CPU machines (the local CPU wheel); GPU clusters bring their own.
     "torch>=2.6",
-    "megatron-core==0.16.1",  # 0.17+ requires Python 3.12
+    # 0.16.1 through 0.19.x (megatron_ppo/compat/mcore.py holds every difference; CI tests 0.16.1 and 0.19.2). On
+    # Python 3.11 pip resolves 0.16.1, the newest that declares 3.11; GPU containers (Python 3.12) keep theirs.
+    # 0.18+ imports triton at `import megatron.core`: the `triton` extra (CUDA torch wheels already bring it).
+    "megatron-core>=0.16.1,<0.20",
     "ray[default]>=2.41",
     "pyarrow>=19",
     "numpy>=2.0",
@@ -38,7 +41,8 @@ EXTRAS = {
         "pybind11",
         "ninja",
     ],
-    "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
+    "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py", "triton"],
+    "triton": ["triton"],  # megatron-core 0.18+ on a machine whose torch does not bring triton (CPU torch)
     "tracking": ["tensorboard", "wandb", "swanlab"],
 }
 

@@ -15,6 +15,10 @@ megatron's prepend-axis path builds a torch ShardedTensor that must see the whol
 
 Reading (``DistCheckpointReader``) asks ``dist_checkpointing.load`` for one piece at a time the same way. The
 DCP ``.metadata`` file is a pickle (torch's format): only read checkpoints you (or your trainer) wrote.
+
+megatron-core 0.19+ keeps dist_checkpointing's common state in the shards (a ``common_state`` object that every
+piece writes) rather than in ``common.pt``: the first piece's is kept, the others are dropped from the merged
+metadata, and the reader does not list it among the checkpoint's objects (compat/mcore.py has the difference).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_ppo.compat import mcore as mcore_compat
 from megatron_ppo.convert.mapping import EXTRA_STATE_KEYS, ConversionError, tp_chunks
 
 logger = logging.getLogger(__name__)
@@ -115,7 +120,7 @@ class DistCheckpointWriter:
         for info in md.storage_data.values():
             info.relative_path = f"{name}{info.relative_path}"
         if self.metadata is None:
-            for fname in ("common.pt", "metadata.json"):
+            for fname in (*mcore_compat.common_state_files(), "metadata.json"):
                 os.rename(os.path.join(scratch, fname), os.path.join(self.out_dir, fname))
             self.metadata = md
         else:
@@ -127,6 +132,8 @@ class DistCheckpointWriter:
 
         merged = self.metadata.state_dict_metadata
         for key, meta in md.state_dict_metadata.items():
+            if mcore_compat.is_common_state_key(key):  # 0.19+: every piece writes it; the first piece's is kept
+                continue
             if key not in merged:
                 merged[key] = meta
                 continue
@@ -138,6 +145,8 @@ class DistCheckpointWriter:
                                       f" in one piece, {tuple(have.size)} {have.properties.dtype} in another")
             have.chunks.extend(meta.chunks)
         for idx, info in md.storage_data.items():
+            if mcore_compat.is_common_state_key(idx.fqn):
+                continue
             if idx in self.metadata.storage_data:
                 raise ConversionError(f"dist checkpoint writer: chunk {idx.fqn} at {tuple(idx.offset or ())} "
                                       "written twice")
@@ -193,8 +202,8 @@ class DistCheckpointReader:
             if isinstance(meta, TensorStorageMetadata):
                 self.tensors[key] = StoredTensor(key, tuple(meta.size), meta.properties.dtype)
                 self.chunks[key] = [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
-            elif isinstance(meta, BytesStorageMetadata):
-                self.objects.append(key)
+            elif isinstance(meta, BytesStorageMetadata) and not mcore_compat.is_common_state_key(key):
+                self.objects.append(key)  # 0.19+'s common_state object is dist_checkpointing's own, not ours
 
     def read(self, requests: list[tuple[str, int | None]]) -> dict[tuple[str, int | None], torch.Tensor]:
         """Full (TP-gathered) tensors for (key, layer) pairs; layer None for unstacked tensors."""

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from megatron_ppo.compat import mcore as mcore_compat
 from megatron_ppo.convert.hf_io import (
     HFCheckpoint,
     ShardedSafetensorsWriter,
@@ -167,6 +168,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
         ledger.check()
         manifest = {
             "format": "megatron dist_checkpointing (torch_dist)",
+            "megatron_core": mcore_compat.version(),  # checked on read: an older megatron-core may not read it
             "source": os.path.abspath(hf_dir),
             "arch": arch.to_dict(),
             "tp": tp, "pp": pp,
@@ -304,6 +306,25 @@ def _check_mcore_inventory(reader: DistCheckpointReader, arch, key_prefix: str, 
     return {key: reader.tensors[key] for key in expected}
 
 
+def check_mcore_version(mcore_dir: str) -> None:
+    """Refuse, naming both versions, a checkpoint written by a megatron-core too new for this one to read: the
+    version our converter (MANIFEST) or trainer (models/checkpoint.py's META_FILE) stored, else the layout on disk
+    (compat/mcore.py). Also for the trainer's cache of converted HF models (trainer/hf_import.py)."""
+    from megatron_ppo.models.checkpoint import META_FILE
+
+    written_by = None
+    for name in (MANIFEST, META_FILE):
+        path = os.path.join(mcore_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                written_by = json.load(f).get("megatron_core")
+            break
+    try:
+        mcore_compat.check_readable(mcore_dir, written_by)
+    except mcore_compat.McoreVersionError as e:
+        raise ConversionError(str(e)) from e
+
+
 def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, dtype: str | None = None,
                 overwrite: bool = False, max_shard_size: str | int = "2GB", key_prefix: str = "",
                 quiet: bool = False) -> ConversionReport:
@@ -317,6 +338,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, dtyp
     out_dtype = DTYPES[dtype] if dtype not in (None, "auto") else None
     ledger = Ledger("Megatron -> HF")
     with single_process_group():
+        check_mcore_version(mcore_dir)
         reader = DistCheckpointReader(mcore_dir)
         stored = _check_mcore_inventory(reader, arch, key_prefix, ledger)
         pieces = conversion_pieces(arch, 1)

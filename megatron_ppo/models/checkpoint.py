@@ -3,7 +3,9 @@
 ``save_checkpoint`` writes ``<dir>.tmp`` on all ranks, then rank 0 renames it to ``<dir>`` (an older ``<dir>``
 is replaced only after the new one is complete). Any TP/PP layout can load what any other layout saved: the
 sharded state dict maps every shard to its place in the global tensors. A small JSON sidecar records the
-architecture, role and layout at save time, so loading a checkpoint into the wrong model fails with a clear error.
+architecture, role and layout at save time, so loading a checkpoint into the wrong model fails with a clear error,
+and the megatron-core version that wrote it: an older megatron-core refuses a checkpoint it cannot read, naming both
+versions (compat/mcore.py), instead of failing deep inside dist_checkpointing.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from megatron_ppo.compat import mcore as mcore_compat
 from megatron_ppo.models.unwrap import unwrap_model
 
 META_FILE = "megatron_ppo_model.json"
@@ -56,6 +59,7 @@ def save_checkpoint(model, directory: str, optimizer=None) -> None:
                              "pp": parallel_state.get_pipeline_model_parallel_world_size(),
                              "dp": parallel_state.get_data_parallel_world_size()},
             "has_optimizer": optimizer is not None,
+            "megatron_core": mcore_compat.version(),
         }
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
@@ -94,6 +98,7 @@ def load_checkpoint(model, directory: str, optimizer=None) -> dict:
             raise ValueError(f"load_checkpoint: architecture of {directory} differs (saved, model): {diff}")
     if optimizer is not None and not meta.get("has_optimizer"):
         raise ValueError(f"load_checkpoint: {directory} has no optimizer state")
+    mcore_compat.check_readable(directory, meta.get("megatron_core"))
     state = {"model": core.sharded_state_dict()}
     if optimizer is not None:
         _init_empty_adam_state(optimizer)

@@ -64,6 +64,7 @@ def load_hf_weights(model, role: str, hf_dir: str, cache_root: str) -> None:
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from megatron_ppo.convert.mapping import arch_from_hf_config, has_score_head
+    from megatron_ppo.convert.pipeline import check_mcore_version
     from megatron_ppo.models.gpt import VALUE_ROLES
 
     score = has_score_head(arch_from_hf_config(hf_dir))
@@ -74,6 +75,7 @@ def load_hf_weights(model, role: str, hf_dir: str, cache_root: str) -> None:
         raise ValueError(f"{'ref' if role == 'reference' else role}.model.path={hf_dir} is a reward model "
                          "(*ForSequenceClassification): it has no LM head to generate or score tokens with")
     ckpt = converted_checkpoint(hf_dir, cache_root)
+    check_mcore_version(str(ckpt))  # a cache converted by a newer megatron-core: refused naming both (issue 23)
     sharded = model.sharded_state_dict()
     head = [k for k in sharded if k.startswith("output_layer.")] if role in VALUE_ROLES and not score else []
     for key in head:
