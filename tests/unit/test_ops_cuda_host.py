@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import csrc_build  # noqa: E402  (kept beside setup.py)
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_ops_gae import gae_loop_f64  # noqa: E402  (the float64 GAE recursion the CPU parity tests use)
+
 NVCC = csrc_build.find_nvcc()
 NO_NVCC = "nvcc not found (CUDA_HOME, CUDA_PATH or PATH): the CUDA host harness is compiled with it"
 CSRC = Path(os.environ.get("MPPO_CUDA_HOST_CSRC") or ROOT / "csrc").resolve()
@@ -337,23 +340,6 @@ def gae_inputs(batch, length, dtype, mask_kind, seed):
         rewards[~mask] = float("nan")
         values[~mask] = float("inf")
     return rewards.to(dtype), values.to(dtype), mask
-
-
-def gae_loop_f64(rewards, values, mask, gamma, lam):
-    """The recursion in float64 Python scalars (masked steps carry next_value/last_gae; outputs 0 there)."""
-    r, v, m = rewards.double().tolist(), values.double().tolist(), mask.bool().tolist()
-    adv = torch.zeros(rewards.shape, dtype=torch.float64)
-    ret = torch.zeros(rewards.shape, dtype=torch.float64)
-    for b in range(len(r)):
-        next_value = last_gae = 0.0
-        row_adv, row_ret = [0.0] * len(r[b]), [0.0] * len(r[b])
-        for t in reversed(range(len(r[b]))):
-            if m[b][t]:
-                last_gae = r[b][t] + gamma * next_value - v[b][t] + gamma * lam * last_gae
-                next_value = v[b][t]
-                row_adv[t], row_ret[t] = last_gae, last_gae + v[b][t]
-        adv[b], ret[b] = torch.tensor(row_adv, dtype=torch.float64), torch.tensor(row_ret, dtype=torch.float64)
-    return adv, ret
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -35,12 +35,13 @@ def gae_loop_f64(rewards, values, mask, gamma, lam):
     ret = torch.zeros(rewards.shape, dtype=torch.float64)
     for b in range(len(r)):
         next_value = last_gae = 0.0
+        row_adv, row_ret = [0.0] * len(r[b]), [0.0] * len(r[b])  # (per-row lists: T = 8193 rows stay fast)
         for t in reversed(range(len(r[b]))):
             if m[b][t]:
                 last_gae = r[b][t] + gamma * next_value - v[b][t] + gamma * lam * last_gae
                 next_value = v[b][t]
-                adv[b, t] = last_gae
-                ret[b, t] = last_gae + v[b][t]
+                row_adv[t], row_ret[t] = last_gae, last_gae + v[b][t]
+        adv[b], ret[b] = torch.tensor(row_adv, dtype=torch.float64), torch.tensor(row_ret, dtype=torch.float64)
     return adv, ret
 
 
