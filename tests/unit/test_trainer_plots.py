@@ -80,12 +80,14 @@ def test_run_record(tmp_path):
     from megatron_ppo.trainer.run_record import write_run_record
 
     cfg = load_config("tiny_cpu", ["trainer.seed=7"])
-    write_run_record(tmp_path, cfg, {"actor": RankLayout(2, 1, 1), "critic": RankLayout(1, 1, 2)})
+    write_run_record(tmp_path, cfg, {"actor": RankLayout(2, 1, 1), "critic": RankLayout(1, 1, 2)},
+                     {"actor": [1, 1], "critic": [1, 1]})
     again = load_config(str(tmp_path / "config.yaml"))
     assert again == cfg  # the resolved config reruns as is
     versions = json.loads((tmp_path / "versions.json").read_text())
     assert versions["torch"] and versions["megatron-core"] and versions["python"]
     layout = json.loads((tmp_path / "layout.json").read_text())
-    assert layout["roles"] == {"actor": {"tp": 2, "pp": 1, "dp": 1, "ranks": 2},
-                               "critic": {"tp": 1, "pp": 1, "dp": 2, "ranks": 2}}
+    assert layout["roles"] == {"actor": {"tp": 2, "pp": 1, "dp": 1, "ranks": 2, "torch_threads": [1, 1]},
+                               "critic": {"tp": 1, "pp": 1, "dp": 2, "ranks": 2, "torch_threads": [1, 1]}}
+    assert layout["num_cpus_per_rank"] == "auto"
     assert layout["launcher"] == "ray"
