@@ -50,7 +50,7 @@ class WorkerGroup(ABC):
     role: str
     layout: RankLayout
     dispatch_s: float = 0.0  # seconds spent moving calls and results, not in the workers (0 in this process)
-    threads: list[int] = []  # torch threads of each rank, as the ranks reported them at start-up
+    threads: Sequence[int] = ()  # torch threads of each rank, as the ranks reported them at start-up
 
     @abstractmethod
     def call_all(self, method: str, *args, **kwargs) -> list:
@@ -88,9 +88,9 @@ class LocalWorkerGroup(WorkerGroup):
     """
 
     def __init__(self, role: str, worker_cls, worker_kwargs: dict | None = None, *, seed: int = 1234):
-        from megatron_ppo import parallel
-
         import torch
+
+        from megatron_ppo import parallel
 
         self.role = role
         self.layout = RankLayout(1, 1, 1)
