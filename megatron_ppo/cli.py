@@ -3,8 +3,9 @@ implements it.
 
 Commands are imported lazily so that `megatron-ppo preprocess` does not pay for importing Megatron or Ray.
 Each command module exposes `main(argv: list[str]) -> int`. Errors reach the user as one line (console.report_error):
-exit 2 for usage, config and data errors, 130/143 when interrupted by SIGINT/SIGTERM, 1 for anything else; the
-traceback goes to the run's log file, and to the screen with --debug (or MEGATRON_PPO_DEBUG=1).
+exit 2 for usage, config and data errors (a UsageError, megatron_ppo/errors.py, carries exit code 2: every input error
+class subclasses it), 130/143 when interrupted by SIGINT/SIGTERM, 1 for anything else (a SystemExit("message") too);
+the traceback goes to the run's log file, and to the screen with --debug (or MEGATRON_PPO_DEBUG=1).
 """
 from __future__ import annotations
 
@@ -68,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         if code == 0 and console.received() is not None:  # the Interrupted raised by the handler was swallowed somewhere
             raise console.Interrupted(console.received())
         return code
-    except SystemExit as exc:  # argparse (2), or a command's SystemExit("message")
-        if isinstance(exc.code, str):
+    except SystemExit as exc:  # argparse (2), or a command's SystemExit("message"): a run that stopped (exit 1)
+        if isinstance(exc.code, str):  # refusals are UsageError (megatron_ppo/errors.py), handled below: exit 2
             print(exc.code, file=sys.stderr, flush=True)
-            return 2 if "Nothing was run" in exc.code else 1
+            return 1
         return 0 if exc.code is None else int(exc.code)
     except BaseException as exc:  # noqa: BLE001 - every error becomes one line and an exit code
         return console.report_error(name, exc)

@@ -2,7 +2,8 @@
 
 A new user meets our messages first, so they must not be buried under Megatron's config dumps or a traceback.
   quiet()            megatron.*, Transformer-Engine/Apex fallback warnings -> off (one summary line); --verbose undoes
-  ERROR_EXIT_CODES   usage/config/data errors -> 2; interrupted -> 130 (SIGINT) / 143 (SIGTERM); anything else -> 1
+  ERROR_EXIT_CODES   usage/config/data errors (UsageError, megatron_ppo/errors.py) -> 2; interrupted -> 130
+                     (SIGINT) / 143 (SIGTERM); anything else -> 1
   report_error()     one line on stderr; the traceback goes to the run's log file (and to the screen with --debug)
   handle_signals()   SIGINT/SIGTERM raise `Interrupted` in the main thread, so `finally` blocks remove temp dirs
   deferred_signals() holds SIGINT/SIGTERM over steps that must all happen or none (moving a set of files in)
@@ -22,6 +23,8 @@ import threading
 import time
 import traceback
 import warnings
+
+from megatron_ppo.errors import UsageError  # noqa: F401 - re-exported: `console.UsageError` keeps working
 
 DEBUG_ENV = "MEGATRON_PPO_DEBUG"
 VERBOSE_ENV = "MEGATRON_PPO_VERBOSE"
@@ -49,10 +52,6 @@ class Interrupted(KeyboardInterrupt):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
-
-
-class UsageError(ValueError):
-    """A bad command line or input that the user must fix (exit code 2); the message names what and how."""
 
 
 def debug_enabled() -> bool:
@@ -111,14 +110,10 @@ def fallback_log(command: str) -> str:
 
 
 def is_usage_error(exc: BaseException) -> bool:
-    """Config, data and input errors: what the user fixes by changing a key, a file or an argument (exit 2)."""
-    from megatron_ppo.config.io import ConfigError
-
-    names = {c.__name__ for c in type(exc).__mro__}
-    return isinstance(exc, (ConfigError, UsageError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                            PermissionError)) or bool(names & {
-        "SchemaError", "PromptTooLongError", "RewardError", "UnknownDataSourceError", "PreflightError",
-        "LayoutError", "ConversionError", "LogDirInUseError", "ManifestError"})
+    """Config, data and input errors: what the user fixes by changing a key, a file or an argument (exit 2).
+    By type only: every input error of the package subclasses UsageError (megatron_ppo/errors.py); a missing or
+    unreadable path the user named is an OSError of one of these kinds."""
+    return isinstance(exc, (UsageError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError))
 
 
 def report_error(command: str, exc: BaseException, debug: bool | None = None) -> int:

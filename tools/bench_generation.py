@@ -59,9 +59,15 @@ def prompt_ids(tok, texts: list[str]) -> list[torch.Tensor]:
 
 
 def old_generation_module(rev: str):
-    """megatron_ppo/models/generation.py as of git revision ``rev``, imported under another name."""
-    src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:megatron_ppo/models/generation.py"],
-                         check=True, capture_output=True, text=True).stdout
+    """The generation module as of git revision ``rev`` (the rollout package's generation.py; before issue 24 it
+    lived in the models package), imported under another name."""
+    for where in ("rollout", "models"):
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:megatron_ppo/" + where + "/generation.py"],
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    src = shown.stdout
     path = Path(tempfile.mkdtemp(prefix="gen-before-")) / "generation_before.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("generation_before", path)
@@ -89,9 +95,9 @@ def run(args) -> dict:
 
     from megatron_ppo import parallel
     from megatron_ppo.convert.mapping import arch_from_hf_config
-    from megatron_ppo.models import generation as new
+    from megatron_ppo.rollout import generation as new
     from megatron_ppo.models.gpt import build_gpt_model
-    from megatron_ppo.trainer.hf_import import load_hf_weights
+    from megatron_ppo.convert.hf_import import load_hf_weights
 
     hf_dir = smollm2_hf_dir()
     tok = AutoTokenizer.from_pretrained(hf_dir)
@@ -131,8 +137,8 @@ def run(args) -> dict:
             old_params = before.SamplingParams(max_response_length=new_tokens, temperature=1.0, seed=1)
             systems["ours_before"] = lambda: int(before.generate(ours, ids, old_params).response_lengths.sum())
         if args.compile:
-            compiled = new.SamplingParams(max_response_length=new_tokens, temperature=1.0, seed=1, compile_decode=True)
-            systems["ours_compiled"] = lambda: int(new.generate(ours, ids, compiled).response_lengths.sum())
+            compiled = new.DecodeOptions(compile_decode=True)
+            systems["ours_compiled"] = lambda: int(new.generate(ours, ids, params, compiled).response_lengths.sum())
             _, warm, _ = timed(systems["ours_compiled"])
             results.setdefault("compile_warmup_s", {})[case] = warm
             print(f"{case} ours_compiled warm-up (compiles): {warm:.1f} s", flush=True)

@@ -79,7 +79,7 @@ def _fwd_bwd_job(rank, world, tp, arch_kw, seqs_per_mb, seq_len, n_mb, iters, dt
 
 def _generation_job(rank, world, arch_kw, batch, prompt_len, response_len, use_kv_cache):
     from megatron_ppo import parallel
-    from megatron_ppo.models.generation import SamplingParams, generate
+    from megatron_ppo.rollout.generation import SamplingParams, generate
     from megatron_ppo.models.gpt import build_gpt_model
 
     arch = ModelArch(**arch_kw)

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
                          "num_cpus_per_rank=auto; TRL and HF generate at this machine's CPU count)")
     ap.add_argument("--before-rev", default=BEFORE_REV)
     ap.add_argument("--gen-compile", action="store_true",
-                    help="the generation table also times ours with rollout.use_torch_compile")
+                    help="the generation table also times ours with rollout.megatron.use_torch_compile")
     ap.add_argument("--ours", nargs="+", default=list(OURS_VARIANTS), choices=list(OURS_VARIANTS),
                     help="our PPO-step variants timed against TRL")
     ap.add_argument("--micro-batch", type=int, default=None,

@@ -49,6 +49,7 @@ def run_one(launcher: str, steps: int, out_dir: str, arch: str | None, threads: 
     import torch
 
     from megatron_ppo.config import load_config
+    from megatron_ppo.testing.probes import PROBED_WORKERS
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import PPOTrainer
 
@@ -58,7 +59,7 @@ def run_one(launcher: str, steps: int, out_dir: str, arch: str | None, threads: 
     cfg = load_config("tiny_cpu", overrides(launcher, steps, out_dir, arch, threads))
     claim_log_dir(cfg.trainer, to_yaml(cfg))  # trainer.overwrite=true: a re-run replaces the last one's records
     start = time.perf_counter()
-    parts = build_components(cfg)
+    parts = build_components(cfg, worker_classes=PROBED_WORKERS)  # + peak_rss_mb (testing/probes.py)
     try:
         build_s = time.perf_counter() - start
         history = PPOTrainer(cfg, parts).fit(steps)

@@ -108,7 +108,7 @@ def actor_fns(arch, batch):
     """(loss_fn, output_fn): the PPO actor loss (entropy and KL loss on) over ``batch`` as one mini-batch, and the
     log-prob pass's output function."""
     from megatron_ppo.config import load_config
-    from megatron_ppo.trainer.losses import actor_loss_fn, logprob_output_fn
+    from megatron_ppo.workers.losses import actor_loss_fn, logprob_output_fn
 
     actor_cfg = load_config("tiny_cpu", ["actor.entropy_coeff=0.01", "actor.use_kl_loss=true"]).actor
     loss_fn = actor_loss_fn(actor_cfg, vocab_size=arch.vocab_size, temperature=1.0,

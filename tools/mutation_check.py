@@ -46,7 +46,7 @@ class Mutant:
 
 MUTANTS = [
     # the four bugs of issue 11
-    Mutant("kl_loss_sign", "megatron_ppo/trainer/losses.py",
+    Mutant("kl_loss_sign", "megatron_ppo/workers/losses.py",
            "loss = loss + actor_cfg.kl_loss_coef * kl_loss", "loss = loss - actor_cfg.kl_loss_coef * kl_loss",
            (LOSSES,), "actor loss: KL-loss term's sign flipped"),
     Mutant("ledger_unwritten_check_removed", "megatron_ppo/convert/ledger.py",
@@ -60,7 +60,7 @@ MUTANTS = [
            (STATE, "tests/unit/test_algo_kl_control.py"), "AdaptiveKLController.load_state_dict: target, horizon "
                                                           "not restored"),
     # losses
-    Mutant("entropy_bonus_sign", "megatron_ppo/trainer/losses.py",
+    Mutant("entropy_bonus_sign", "megatron_ppo/workers/losses.py",
            "loss = pg_loss - actor_cfg.entropy_coeff * entropy_loss",
            "loss = pg_loss + actor_cfg.entropy_coeff * entropy_loss", (LOSSES,), "entropy bonus sign flipped"),
     Mutant("dual_clip_bound", "megatron_ppo/algo/losses.py",
@@ -69,10 +69,10 @@ MUTANTS = [
     Mutant("is_weights_ignored", "megatron_ppo/algo/losses.py",
            "pg_losses = pg_losses * rollout_is_weights.detach()", "pg_losses = pg_losses", (LOSSES,),
            "rollout IS weights ignored in the policy loss"),
-    Mutant("token_mean_local_normaliser", "megatron_ppo/trainer/losses.py",
+    Mutant("token_mean_local_normaliser", "megatron_ppo/workers/losses.py",
            '"batch_num_tokens": mini_batch_tokens,', '"batch_num_tokens": None,', (LOSSES,),
            "token-mean normalised by the micro-batch's tokens instead of the mini-batch's"),
-    Mutant("critic_seq_normaliser_local", "megatron_ppo/trainer/losses.py",
+    Mutant("critic_seq_normaliser_local", "megatron_ppo/workers/losses.py",
            "global_batch_size=mini_batch_seqs)", "global_batch_size=None)", (LOSSES,),
            "critic seq-mean modes normalised by the micro-batch's rows"),
     # packing

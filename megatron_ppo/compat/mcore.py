@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import os
 
+from megatron_ppo.errors import UsageError
+
 SUPPORTED = ">=0.16.1,<0.20"  # setup.py's install_requires (tests/unit/test_mcore_compat.py keeps them equal)
 
 LEGACY_COMMON_FILE = "common.pt"  # the common state of a dist checkpoint before 0.19
@@ -34,7 +36,7 @@ FORMAT_CHANGES = (
 )
 
 
-class McoreVersionError(ValueError):
+class McoreVersionError(UsageError):
     """A checkpoint written by a newer megatron-core than this one can read (the message names both versions)."""
 
 

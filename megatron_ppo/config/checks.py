@@ -79,9 +79,10 @@ def _data(cfg: PPOConfig, errs: _Errors) -> None:
 
 
 def _models(cfg: PPOConfig, errs: _Errors) -> None:
-    roles = {"actor.model": ("actor", cfg.actor.model), "critic.model": ("critic", cfg.critic.model),
-             "ref.model": ("ref", cfg.ref.model), "reward.reward_model.model": ("reward", cfg.reward.reward_model.model)}
-    for key, (role, model) in roles.items():
+    from megatron_ppo import roles
+
+    for spec in roles.ROLES:
+        key, role, model = spec.model_key, spec.name, spec.own_model_config(cfg)
         errs.check(not (model.path and model.arch), key, "set either path (HF directory) or arch (inline "
                    "architecture), not both")
         _recompute(key, model, errs)
@@ -403,7 +404,9 @@ def _cluster(cfg: PPOConfig, errs: _Errors) -> None:
     errs.check(c.num_gpus_per_rank is None or c.num_gpus_per_rank >= 0, "cluster.num_gpus_per_rank",
                f"must be >= 0 or null, got {c.num_gpus_per_rank}")
     errs.positive("cluster.collective_timeout_s", c.collective_timeout_s)
-    for role in ("actor", "critic", "ref", "reward"):
+    from megatron_ppo import roles
+
+    for role in roles.NAMES:
         p = getattr(c, role)
         key = f"cluster.{role}"
         errs.positive(f"{key}.tensor_model_parallel_size", p.tensor_model_parallel_size)

@@ -16,8 +16,10 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from megatron_ppo.errors import UsageError
 
-class ConfigError(ValueError):
+
+class ConfigError(UsageError):
     """Every config problem: unknown key, wrong type, bad value. `errors` holds one line per problem."""
 
     def __init__(self, errors: list[str], source: str | None = None):

@@ -229,14 +229,9 @@ class SamplingConfig:
 
 
 @dataclass
-class RolloutConfig(SamplingConfig):
-    mode: Literal["online", "offline"] = field("online", "online: the actor generates; offline: replay "
-                                               "trajectory_files", None)
-    trajectory_files: list[str] = field([], "offline trajectory parquet file(s) (rollout.mode=offline)", None)
-    dump_dir: Optional[str] = field(None, "write each step's rollouts as trajectory parquet here")
-    log_prob_micro_batch_size_per_gpu: Optional[int] = field(None, "old-log-prob forward: sequences per forward")
-    log_prob_use_dynamic_bsz: bool = field(False, "old-log-prob forward by token budget")
-    log_prob_max_token_len_per_gpu: int = field(16384, "token budget per old-log-prob micro-batch")
+class MegatronRolloutConfig:
+    """The in-actor Megatron engine's own settings (rollout/megatron.py): how its decode loop runs, never what
+    it samples."""
     prefill: Literal["auto", "ragged", "aligned"] = field(
         "auto", "how prompts of different lengths fill the KV cache: ragged (left-padded, prefilled in length "
         "groups; needs the local spec's SDPA attention), aligned (prefill to the shortest prompt, then one position "
@@ -244,6 +239,20 @@ class RolloutConfig(SamplingConfig):
     drop_finished: bool = field(True, "rows that hit eos leave the decode batch (same tokens, less work)", None)
     use_torch_compile: bool = field(False, "torch.compile the one-token decode forward (measured in "
                                     "docs/bench/peer.md)", None)
+
+
+@dataclass
+class RolloutConfig(SamplingConfig):
+    name: Literal["megatron"] = field("megatron", "the rollout engine (rollout/__init__.ENGINES): megatron = the "
+                                      "actor's own Megatron model with a KV cache; its settings: rollout.<name>.*")
+    megatron: MegatronRolloutConfig = field(MegatronRolloutConfig, "")
+    mode: Literal["online", "offline"] = field("online", "online: the actor generates; offline: replay "
+                                               "trajectory_files", None)
+    trajectory_files: list[str] = field([], "offline trajectory parquet file(s) (rollout.mode=offline)", None)
+    dump_dir: Optional[str] = field(None, "write each step's rollouts as trajectory parquet here")
+    log_prob_micro_batch_size_per_gpu: Optional[int] = field(None, "old-log-prob forward: sequences per forward")
+    log_prob_use_dynamic_bsz: bool = field(False, "old-log-prob forward by token budget")
+    log_prob_max_token_len_per_gpu: int = field(16384, "token budget per old-log-prob micro-batch")
     val_kwargs: SamplingConfig = field(lambda: SamplingConfig(temperature=0.0, do_sample=False), "")
 
 
@@ -417,18 +426,14 @@ class PPOConfig:
 
     @property
     def roles(self) -> list[str]:
-        """The roles this run builds, in start order: actor, then critic / ref / reward where enabled."""
-        return ["actor"] + (["critic"] if self.use_critic else []) + (["ref"] if self.use_reference else []) + (
-            ["reward"] if self.reward.reward_model.enable else [])
+        """The roles this run builds, in start order (megatron_ppo/roles.py: actor, then critic / ref / reward
+        where enabled)."""
+        from megatron_ppo import roles
 
-    def model_for(self, role: Literal["actor", "critic", "ref", "reward"]) -> ModelConfig:
+        return [r.name for r in roles.enabled(self)]
+
+    def model_for(self, role: str) -> ModelConfig:
         """The role's model config; a critic/ref without path and arch takes the actor's weights source."""
-        own = {"actor": self.actor.model, "critic": self.critic.model, "ref": self.ref.model,
-               "reward": self.reward.reward_model.model}[role]
-        if role in ("actor", "reward") or own.path is not None or own.arch is not None:
-            return own
-        base = self.actor.model
-        return ModelConfig(path=base.path, arch=base.arch, tokenizer_path=own.tokenizer_path or base.tokenizer_path,
-                           dtype=own.dtype, recompute_granularity=own.recompute_granularity,
-                           recompute_method=own.recompute_method, recompute_num_layers=own.recompute_num_layers,
-                           cpu_gemm=own.cpu_gemm)
+        from megatron_ppo import roles
+
+        return roles.model_config(self, role)

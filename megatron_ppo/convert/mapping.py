@@ -31,11 +31,12 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from megatron_ppo.errors import UsageError
 from megatron_ppo.models.arch import ModelArch
 from megatron_ppo.models.vocab_rows import vocab_rows_problem
 
 
-class ConversionError(ValueError):
+class ConversionError(UsageError):
     """A checkpoint or config cannot be converted faithfully; the message names the tensor, key, file or field."""
 
 

@@ -309,7 +309,7 @@ def _check_mcore_inventory(reader: DistCheckpointReader, arch, key_prefix: str, 
 def check_mcore_version(mcore_dir: str) -> None:
     """Refuse, naming both versions, a checkpoint written by a megatron-core too new for this one to read: the
     version our converter (MANIFEST) or trainer (models/checkpoint.py's META_FILE) stored, else the layout on disk
-    (compat/mcore.py). Also for the trainer's cache of converted HF models (trainer/hf_import.py)."""
+    (compat/mcore.py). Also for the trainer's cache of converted HF models (convert/hf_import.py)."""
     from megatron_ppo.models.checkpoint import META_FILE
 
     written_by = None

@@ -13,7 +13,7 @@ into the packed row: response token j of row i is predicted at packed position s
 positions resp_pos reads are ``logit_positions`` (the actor's and reference's models compute logits only there) and
 ``logit_index`` maps each [b, R] slot to one of them.
 
-Micro-batches: a fixed number of rows (``split_rows``) or a token budget (``micro_batches_by_tokens``, on
+Micro-batches: a fixed number of rows (``chunk_rows``) or a token budget (``micro_batches_by_tokens``, on
 ``data.dynamic_batch.plan_micro_batches``).
 """
 from __future__ import annotations
@@ -48,9 +48,27 @@ class RolloutBatch:
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1).long()
 
+    def row_tokens(self) -> list[int]:
+        """Tokens per row (prompt + response): the weights of the DP split."""
+        lengths = self.response_lengths.tolist()
+        return [int(p.numel()) + int(n) for p, n in zip(self.prompt_ids, lengths)]
+
     def num_tokens(self, rows) -> int:
-        lengths = self.response_lengths
-        return int(sum(self.prompt_ids[i].numel() + int(lengths[i]) for i in rows))
+        tokens = self.row_tokens()
+        return int(sum(tokens[i] for i in rows))
+
+    def select(self, rows=None, keys=None, meta: bool = True) -> "RolloutBatch":
+        """The batch restricted to ``rows`` (default: all, in order) and, when ``keys`` is given, to those per-token
+        tensors (plus the loss mask once rejection wrote one); ``meta=False`` drops the per-row python values.
+        ``select(keys=..., meta=False)`` is what crosses the driver -> rank boundary: token ids, masks and the
+        tensors the call needs, split by row over DP (distributed/dispatch.select_rows)."""
+        rows = list(range(self.size)) if rows is None else list(rows)
+        index = torch.as_tensor(rows, dtype=torch.long)
+        names = list(self.tensors) if keys is None else list(dict.fromkeys(
+            tuple(keys) + (("loss_mask",) if "loss_mask" in self.tensors else ())))
+        return RolloutBatch([self.prompt_ids[i] for i in rows], self.responses[index], self.response_mask[index],
+                            {key: self.tensors[key][index] for key in names},
+                            {key: [values[i] for i in rows] for key, values in self.meta.items()} if meta else {})
 
 
 def _check_align(align: int) -> None:
@@ -94,7 +112,7 @@ def pack_rows(batch: RolloutBatch, rows: list[int], keys: tuple[str, ...] = (), 
     return micro
 
 
-def split_rows(rows: list[int], size: int) -> list[list[int]]:
+def chunk_rows(rows: list[int], size: int) -> list[list[int]]:
     """Consecutive chunks of at most ``size`` rows."""
     if size < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {size}")

@@ -6,6 +6,8 @@ import os
 import re
 from pathlib import Path
 
+from megatron_ppo.errors import UsageError
+
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 # The reference extraction (GSM8K's README and verl): the number after the last "#### ", commas removed.
@@ -21,7 +23,7 @@ def default_gsm8k_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k"
 
 
-class MalformedLineError(ValueError):
+class MalformedLineError(UsageError):
     """A GSM8K jsonl line is not a {"question": str, "answer": str ending in "#### N"} object."""
 
 

@@ -23,11 +23,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron_ppo.errors import UsageError
+
 MANIFEST_NAME = "preprocess_manifest.json"
 FORMAT = "megatron_ppo.preprocess/1"
 
 
-class ManifestMismatchError(ValueError):
+class ManifestMismatchError(UsageError):
     """A file differs from what the manifest beside it records: it comes from another write of the set."""
 
 

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from megatron_ppo.data.parquet_io import expand_parquet_paths, read_tables
 from megatron_ppo.data.schema import PROMPT_REQUIRED, SchemaError, check_prompt_column, require_columns
+from megatron_ppo.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def overlong_policy_from_verl(filter_overlong_prompts: bool, truncation: str = "
     return policies[truncation]
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(UsageError):
     """A prompt is longer than max_prompt_length under overlong_prompt_policy="error"."""
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from megatron_ppo.errors import UsageError
+
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 REWARD_MODEL = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
 GSM8K_EXTRA_INFO = pa.struct(
@@ -42,7 +44,7 @@ TRAJECTORY_FIELDS = {
 TRAJECTORY_REQUIRED = ("data_source", "prompt", "rollout_log_probs")
 
 
-class SchemaError(ValueError):
+class SchemaError(UsageError):
     """A parquet file does not have the columns or types its format needs; the message names file and column."""
 
 

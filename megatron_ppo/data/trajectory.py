@@ -23,6 +23,7 @@ from megatron_ppo.data.schema import (
     BEHAVIOUR_POLICY, MESSAGE, TRAJECTORY_FIELDS, TRAJECTORY_REQUIRED, SchemaError, check_prompt_column,
     require_columns,
 )
+from megatron_ppo.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ EMPTY_RESPONSE_POLICIES = ("filter", "error")
 PASSTHROUGH = ("ability", "reward_model", "extra_info")
 
 
-class TrajectoryError(ValueError):
+class TrajectoryError(UsageError):
     """A trajectory row breaks the format's rules; the message names the file, row and column."""
 
 

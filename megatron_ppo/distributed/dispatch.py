@@ -46,7 +46,10 @@ def split_rows(lengths: Sequence[int], dp: int, balance: bool = True) -> list[li
 
 
 def select_rows(batch: Any, rows: Sequence[int]) -> Any:
-    """The given rows of a batch: a tensor (dim 0), a list/tuple, or a dict of those (recursively)."""
+    """The given rows of a batch: a tensor (dim 0), a list/tuple, a dict of those (recursively), or an object with
+    ``select(rows)`` (data.batch.RolloutBatch)."""
+    if hasattr(batch, "select") and not isinstance(batch, (torch.Tensor, dict, list, tuple)):
+        return batch.select(rows)
     if isinstance(batch, torch.Tensor):
         return batch[torch.as_tensor(list(rows), dtype=torch.long, device=batch.device)]
     if isinstance(batch, dict):

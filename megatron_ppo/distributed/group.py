@@ -7,8 +7,9 @@ of a ``RankLayout`` and offers three calls:
 * ``call_dp(method, shards, *args, **kwargs)`` -> one result per DP replica: every rank of replica d gets
   ``shards[d]`` as the first argument (TP/PP peers must see the same data), and the answer comes from the
   replica's representative rank (tp=0, last pipeline stage);
-* ``call_rows(method, batch, lengths, ..., balance=True)``: ``call_dp`` over a token-balanced split of the batch's
-  rows (contiguous blocks with ``balance=False``), with the per-row results put back in the original row order;
+* ``call_split(method, batch, lengths, ..., balance=True)``: ``call_dp`` over a token-balanced split of the batch's
+  rows (contiguous blocks with ``balance=False``): the one DP split, for updates (one global answer per replica);
+* ``call_rows(...)``: ``call_split`` with the per-row results put back in the original row order (forwards);
 
 and ``shutdown()``. ``LocalWorkerGroup`` runs one rank in this process (debugging, the in-process driver);
 ``RayWorkerGroup`` runs TP x PP x DP Ray actors. Any failure surfaces as ``WorkerGroupError``.
@@ -51,6 +52,7 @@ class WorkerGroup(ABC):
     layout: RankLayout
     dispatch_s: float = 0.0  # seconds spent moving calls and results, not in the workers (0 in this process)
     threads: Sequence[int] = ()  # torch threads of each rank, as the ranks reported them at start-up
+    worker_cls: type  # the class every rank hosts (its class-level declarations serve the driver)
 
     @abstractmethod
     def call_all(self, method: str, *args, **kwargs) -> list:
@@ -64,14 +66,18 @@ class WorkerGroup(ABC):
     def shutdown(self) -> None:
         """Stop every rank (idempotent)."""
 
+    def call_split(self, method: str, batch: Any, lengths: Sequence[int], *args, balance: bool = True,
+                   **kwargs) -> tuple[list, list[list[int]]]:
+        """The one DP split: ``batch``'s rows over the replicas by token count (``balance=False``: contiguous
+        blocks), ``method(rows_of_batch, ...)`` on each; returns (the replicas' results, their rows)."""
+        shards = split_rows(list(lengths), self.layout.dp, balance)
+        return self.call_dp(method, [select_rows(batch, rows) for rows in shards], *args, **kwargs), shards
+
     def call_rows(self, method: str, batch: Any, lengths: Sequence[int], *args, balance: bool = True,
                   **kwargs) -> Any:
-        """Split ``batch``'s rows over the DP replicas by token count (``balance=False``: contiguous blocks), call
-        ``method(rows_of_batch, ...)``, and return the per-row results (tensor / list / dict of those) in the
-        original row order."""
-        shards = split_rows(list(lengths), self.layout.dp, balance)
-        results = self.call_dp(method, [select_rows(batch, rows) for rows in shards], *args, **kwargs)
-        return restore_rows(results, shards)
+        """``call_split``, with the per-row results (tensor / list / dict of those) put back in the original row
+        order."""
+        return restore_rows(*self.call_split(method, batch, lengths, *args, balance=balance, **kwargs))
 
     def __enter__(self):
         return self
@@ -102,7 +108,8 @@ class LocalWorkerGroup(WorkerGroup):
             raise ValueError(f"LocalWorkerGroup({role}): the process's parallel state is TP={parallel.tp_size()} "
                              f"PP={parallel.pp_size()} DP={parallel.dp_size()}; a local group is one rank")
         try:
-            self.worker = resolve_worker_class(worker_cls)(**(worker_kwargs or {}))
+            self.worker_cls = resolve_worker_class(worker_cls)
+            self.worker = self.worker_cls(**(worker_kwargs or {}))
         except BaseException as e:
             self.shutdown()
             raise WorkerGroupError(f"{role} rank 0 (tp0 pp0 dp0) on this process: building the worker failed: "

@@ -15,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple
 
+from megatron_ppo.errors import UsageError
+
 __all__ = ["RankCoords", "RankLayout", "ClusterSlots", "LayoutError", "check_fits", "dp_seed", "DP_SEED_STRIDE"]
 
 DP_SEED_STRIDE = 1000
 
 
-class LayoutError(ValueError):
+class LayoutError(UsageError):
     """A layout the hardware cannot host, or a world that does not divide into the layout."""
 
 

@@ -106,8 +106,7 @@ class RayWorkerGroup(WorkerGroup):
             raise ValueError(f"{role}: {layout} but the placement seats {len(placement.bundle_indices)} ranks")
         if collective_timeout_s <= 0:
             raise ValueError(f"{role}: collective_timeout_s={collective_timeout_s} must be > 0")
-        if isinstance(worker_cls, str):
-            resolve_worker_class(worker_cls)  # a typo fails here, before any process starts
+        self.worker_cls = resolve_worker_class(worker_cls)  # a typo fails here, before any process starts
         self.role, self.layout, self.placement = role, layout, placement
         self.call_timeout_s, self.grace_s, self.kill_timeout_s = call_timeout_s, grace_s, kill_timeout_s
         self.infos: list[dict | None] = [None] * layout.world_size

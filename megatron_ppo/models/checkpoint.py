@@ -87,8 +87,7 @@ def load_checkpoint(model, directory: str, optimizer=None) -> dict:
     core = unwrap_model(model)
     meta = read_checkpoint_meta(directory)
     role = getattr(core, "role", None)
-    value_roles = ("critic", "reward")
-    if meta.get("role") is not None and role is not None and (meta["role"] in value_roles) != (role in value_roles):
+    if meta.get("role") is not None and role is not None and _is_value(meta["role"]) != _is_value(role):
         raise ValueError(f"load_checkpoint: {directory} holds a {meta['role']} model, cannot load into a {role}")
     if meta.get("arch") is not None and hasattr(core, "arch"):
         saved = {k: v for k, v in meta["arch"].items() if k != "extra"}
@@ -168,3 +167,11 @@ def _unshare_adam_steps(optimizer) -> None:
         for state in (inner.state.values() if inner is not None else ()):
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
+
+
+def _is_value(role: str) -> bool:
+    """A value-head model (critic, reward); checkpoints written before the role table named the reference
+    "reference"."""
+    from megatron_ppo import roles
+
+    return roles.spec("ref" if role == "reference" else role).value_model

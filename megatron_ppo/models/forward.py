@@ -57,7 +57,7 @@ def model_forward(model, batch: dict):
     """
     from megatron.core import parallel_state
 
-    from megatron_ppo.models.gpt import LM_ROLES
+    from megatron_ppo import roles
 
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
@@ -78,7 +78,7 @@ def model_forward(model, batch: dict):
                          f"TP={tp}: pad (e.g. PackLayout align={tp})")
     extra = {}
     positions = batch.get("logit_positions")
-    if positions is not None and getattr(inner, "role", None) in LM_ROLES:
+    if positions is not None and getattr(inner, "role", None) in roles.NAMES and roles.spec(inner.role).kind == "lm":
         _check_positions(positions, input_ids.numel())
         extra["logit_positions"] = positions
     return model(input_ids, batch.get("position_ids"), batch.get("attention_mask"), packed_seq_params=psp, **extra)

@@ -24,9 +24,6 @@ from megatron_ppo.parallel.platform import cpu_platform_enabled, cpu_platform_ne
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("actor", "critic", "reward", "reference")
-VALUE_ROLES = ("critic", "reward")
-LM_ROLES = ("actor", "reference")  # an LM head: they take ``logit_positions``
 
 
 @functools.cache
@@ -220,8 +217,9 @@ def build_gpt_model(
     """
     from megatron.core import parallel_state
 
-    if role not in ROLES:
-        raise ValueError(f"build_gpt_model: role={role!r} not in {ROLES}")
+    from megatron_ppo import roles
+
+    role_spec = roles.spec(role)  # ValueError naming the roles
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_gpt_model: call megatron_ppo.parallel.initialize() first")
     if cpu_platform_needed() and not cpu_platform_enabled():  # set up by parallel.initialize, never here
@@ -234,7 +232,7 @@ def build_gpt_model(
     rope = arch.rope_config()
     pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    is_value_model = role in VALUE_ROLES
+    is_value_model = role_spec.value_model
     model = _gpt_model_class()(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, transformer_impl),
@@ -258,7 +256,7 @@ def build_gpt_model(
         model.cuda(torch.cuda.current_device())
     model.arch = arch
     model.role = role
-    if role == "reference":
+    if not role_spec.trainable:  # frozen: no gradients, never trained
         model.requires_grad_(False)
         model.eval()
     return model

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 def wrap_ddp(model, *, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
              grad_reduce_in_fp32: bool = True, bucket_size: int | None = None):
@@ -55,13 +53,3 @@ def build_optimizer(ddp_models, settings: OptimizerSettings | None = None):
     optimizer = get_megatron_optimizer(opt_config, chunks)
     cfg.grad_scale_func = optimizer.scale_loss
     return optimizer
-
-
-@torch.no_grad()
-def copy_weights(src, dst) -> None:
-    """Copy parameters (same architecture and layout) from one stage to another, e.g. actor -> reference."""
-    src_params = dict(src.named_parameters())
-    for name, param in dst.named_parameters():
-        if name not in src_params:
-            raise KeyError(f"copy_weights: parameter {name} missing in source")
-        param.copy_(src_params[name])

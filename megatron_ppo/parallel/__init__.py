@@ -202,3 +202,49 @@ def is_first_stage() -> bool:
 
 def is_last_stage() -> bool:
     return _ps().is_pipeline_last_stage(ignore_virtual=True)
+
+
+# ---------------------------------------------------------------------------------------------- collectives the
+# workers agree with: every rank of a role takes the same decision from the same reduced values
+
+def world_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def layout() -> dict:
+    """This rank's layout, as checkpoints record it (RNG states are restored only at the saving layout)."""
+    return {"tp": tp_size(), "pp": pp_size(), "dp": dp_size(), "world": world_size()}
+
+
+def dp_group():
+    return _ps().get_data_parallel_group(with_context_parallel=True)
+
+
+def all_reduce(t: torch.Tensor, group, op=None) -> torch.Tensor:
+    """Sum (or ``op``) of a CPU tensor over ``group``, through the device the backend needs; back on the CPU."""
+    dev = t.to(default_device())
+    dist.all_reduce(dev, op=op or dist.ReduceOp.SUM, group=group)
+    return dev.cpu()
+
+
+def dp_sum(values: list[float]) -> list[float]:
+    """``values`` summed over the data-parallel replicas (float64)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dp_size() > 1:
+        t = all_reduce(t, dp_group())
+    return t.tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is True on any rank of this model's replicas (model-parallel x data-parallel),
+    so that all ranks skip or step together (the loss lives only on the last pipeline stage)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([float(flag)])
+    t = all_reduce(t, _ps().get_model_parallel_group(), dist.ReduceOp.MAX)
+    t = all_reduce(t, dp_group(), dist.ReduceOp.MAX)
+    return bool(t.item() > 0)

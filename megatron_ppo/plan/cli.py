@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from megatron_ppo.errors import UsageError
 from megatron_ppo.plan.layouts import MARGIN, colocated, enumerate_layouts, recommend_pp, role_specs, step_time, with_world
 from megatron_ppo.plan.memory import GIB, Hardware, Memory, total_params
 
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus = args.gpus or cfg.cluster.world_size
     per_node = min(cfg.cluster.n_gpus_per_node, gpus)
     if gpus % per_node:
-        raise SystemExit(f"megatron-ppo plan: --gpus {gpus} is not a multiple of cluster.n_gpus_per_node "
+        raise UsageError(f"--gpus {gpus} is not a multiple of cluster.n_gpus_per_node "
                          f"({cfg.cluster.n_gpus_per_node})")
     hw = Hardware(args.gpu_mem_gib, args.peak_tflops, args.hbm_tbps, args.mfu, args.headroom_gib)
     specs = with_world(role_specs(cfg, gpus), gpus)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megatron_ppo import roles
 from megatron_ppo.models.arch import ModelArch
 from megatron_ppo.plan.memory import (GIB, OFFLOAD, RECOMPUTE, Hardware, Layout, Memory, Workload, decode_seconds,
                                       forward_flops_per_token, memory, phase_seconds)
@@ -73,7 +74,7 @@ def role_specs(cfg, gpus: int | None = None) -> dict[str, RoleSpec]:
         per_dp = max(1, mini // dp) if mini else max(1, batch // dp)
         work = Workload(seq_len=seq, micro_batch=micro, micro_batches=max(1, per_dp // micro),
                         gen_batch=max(1, batch // dp) if role == "actor" else 0,
-                        param_bytes=DTYPE_BYTES[model.dtype], trainable=role != "ref")
+                        param_bytes=DTYPE_BYTES[model.dtype], trainable=roles.spec(role).trainable)
         layout = Layout(tp, pp, dp, p.sequence_parallel, p.use_distributed_optimizer, _recompute(model))
         out[role] = RoleSpec(role, role_arch(cfg, role), layout, work, mini, batch, epochs,
                              cfg.data.max_response_length)
@@ -131,8 +132,8 @@ def enumerate_layouts(spec: RoleSpec, gpus: int, gpus_per_node: int, hw: Hardwar
             if spec.arch.num_layers % pp or gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
-            recomputes = RECOMPUTE if spec.work.trainable and spec.role != "ref" else ("none",)
-            offloads = OFFLOAD if spec.work.trainable and spec.role != "ref" else ("none",)
+            recomputes = RECOMPUTE if spec.work.trainable else ("none",)
+            offloads = OFFLOAD if spec.work.trainable else ("none",)
             for rc in recomputes:
                 for off in offloads:
                     sp = tp > 1 and (spec.layout.sp or spec.layout.tp == 1)  # the configured choice; on for new TP > 1
@@ -188,8 +189,8 @@ def step_time(specs: dict[str, RoleSpec], gpus: int, hw: Hardware) -> dict[str, 
         fwd = forward_flops_per_token(spec.arch, seq) * tokens
         lay = spec.layout
         bubble = 1 + (lay.pp - 1) / max(1, spec.work.micro_batches)
-        if role == "ref":
-            out["ref_log_prob"] = phase_seconds(fwd, gpus, hw) * bubble
+        if not spec.work.trainable:  # ref: its log-probs; reward: its scores
+            out[f"{role}_log_prob" if role == "ref" else f"{role}_score"] = phase_seconds(fwd, gpus, hw) * bubble
             continue
         train = 3 * fwd + (fwd if lay.recompute == "full" else 0)
         name = "values" if role == "critic" else "old_log_prob"

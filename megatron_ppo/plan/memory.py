@@ -23,11 +23,17 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from megatron_ppo import roles
 from megatron_ppo.models.arch import ModelArch
 
 GIB = 1024 ** 3
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "optimizer")
+
+
+def _value_model(role: str) -> bool:
+    """A value head instead of the LM head (roles.py: critic, reward)."""
+    return roles.spec(role).value_model
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ def stage_params(arch: ModelArch, role: str, tp: int = 1, pp: int = 1, stage: in
     layers = arch.num_layers // pp
     rows = arch.padded_vocab_size(tp) * arch.hidden_size // tp
     first, last = stage == 0, stage == pp - 1
-    critic = role in ("critic", "reward")
+    critic = _value_model(role)
     tied = arch.tie_word_embeddings and not critic
     embedding = rows if first else 0
     if critic:
@@ -78,7 +84,7 @@ def stage_params(arch: ModelArch, role: str, tp: int = 1, pp: int = 1, stage: in
 def total_params(arch: ModelArch, role: str = "actor") -> int:
     """The model's parameters (unpadded vocabulary, tied weights once): the number a model card quotes."""
     n = arch.num_parameters()
-    if role in ("critic", "reward"):
+    if _value_model(role):
         n += arch.hidden_size - (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size)
     return n
 
@@ -178,7 +184,7 @@ def memory(arch: ModelArch, role: str, layout: Layout, work: Workload) -> Memory
     params = max(stage_params(arch, role, layout.tp, layout.pp, s).total for s in stages)
     e = work.param_bytes
     weights = params * e
-    trainable = work.trainable and role != "ref"
+    trainable = work.trainable and roles.spec(role).trainable  # a frozen role (roles.py) never has either
     grads = params * work.grad_bytes if trainable else 0
     master = 4 if e < 4 else 0
     opt_rep = params * (master + 8) if trainable else 0
@@ -203,7 +209,7 @@ def memory(arch: ModelArch, role: str, layout: Layout, work: Workload) -> Memory
     if not trainable:
         no_rc = act
     vocab_rows = arch.padded_vocab_size(layout.tp) // layout.tp
-    critic = role in ("critic", "reward")
+    critic = _value_model(role)
     logits = 0 if critic else work.seq_len * work.micro_batch * vocab_rows * (e + 4)
     kv = 0
     if work.gen_batch and not critic:

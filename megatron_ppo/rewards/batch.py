@@ -8,6 +8,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from megatron_ppo.errors import UsageError
 from megatron_ppo.rewards.registry import get_reward_fn
 from megatron_ppo.rewards.shaping import LengthPenalty, RepetitionPenalty
 
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 LARGE_REWARD = 1e4
 
 
-class RewardError(ValueError):
+class RewardError(UsageError):
     """A reward could not be computed for a row (missing ground truth, non-finite result, bad return type)."""
 
 

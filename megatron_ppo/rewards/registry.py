@@ -12,12 +12,14 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from megatron_ppo.errors import UsageError
+
 RewardFn = Callable[..., float]
 _REGISTRY: dict[str, RewardFn] = {}
 _BUILTINS_LOADED = False
 
 
-class UnknownDataSourceError(LookupError):
+class UnknownDataSourceError(UsageError, LookupError):
     """No reward function is registered for a row's data_source."""
 
 

@@ -6,7 +6,7 @@ from megatron_ppo.models.unwrap import unwrap_model
 
 def record_forward_shapes(model):
     """(shapes, handle): the [B, s] token-id shape of every forward of this first-stage model, recorded by a real
-    forward pre-hook on its embedding, which both ``GPTModel.forward`` and ``models.decode_step`` call."""
+    forward pre-hook on its embedding, which both ``GPTModel.forward`` and ``rollout.decode_step`` call."""
     shapes = []
 
     def hook(module, args, kwargs):

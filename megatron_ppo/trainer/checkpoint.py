@@ -25,6 +25,8 @@ import shutil
 
 import torch
 
+from megatron_ppo.errors import UsageError
+
 log = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -34,7 +36,7 @@ FORMAT = 1
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """A checkpoint that cannot be resumed from (missing, incomplete, saved by another kind of run)."""
 
 

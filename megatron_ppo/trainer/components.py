@@ -19,8 +19,10 @@ from megatron_ppo.data.sampler import StatefulSampler
 from megatron_ppo.data.tokenizer import gsm8k_tokenizer_dir, load_tokenizer
 from megatron_ppo.data.trajectory import TrajectoryWriter
 from megatron_ppo.rewards.batch import RewardScorer
+from megatron_ppo import roles
+from megatron_ppo.convert.hf_import import convert_for_roles
+from megatron_ppo.rollout.source import OfflineSource, OnlineSource, RolloutSource, sampling_params
 from megatron_ppo.trainer.groups import RoleGroups, build_groups
-from megatron_ppo.trainer.hf_import import convert_for_roles
 from megatron_ppo.trainer.run_record import write_run_record
 from megatron_ppo.trainer.tracking import Tracker
 from megatron_ppo.workers.build import model_arch
@@ -33,8 +35,8 @@ class Components:
     total_steps: int
     tokenizer: object
     eos_token_ids: list[int]
-    train_dataset: PromptDataset  # or trainer.offline.OfflineTrajectories (rollout.mode=offline)
-    val_dataset: PromptDataset | None
+    source: RolloutSource  # the train rollouts: online (prompts -> the actor's engine) or offline (rollout.mode)
+    val_source: OnlineSource | None  # validation: always generated (rollout.val_kwargs)
     sampler: StatefulSampler
     scorer: RewardScorer
     vocab_size: int
@@ -43,21 +45,11 @@ class Components:
     tracker: Tracker
     dumper: object | None
 
-    @property
-    def actor(self):
-        return self.groups.get("actor")
-
-    @property
-    def critic(self):
-        return self.groups.get("critic")
-
-    @property
-    def ref(self):
-        return self.groups.get("ref")
-
-    @property
-    def reward_model(self):
-        return self.groups.get("reward")
+    def __getattr__(self, name: str):
+        """``parts.<role>``: the role's worker group, None when this run does not build it (roles.py names them)."""
+        if name in roles.NAMES:
+            return self.groups.get(name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def close(self) -> None:
         """The tracker, then the worker groups, their placement and a Ray cluster started for them."""
@@ -120,14 +112,14 @@ def total_training_steps(cfg, num_prompts: int) -> int:
 
 
 def build_components(cfg, worker_classes: dict | None = None, resuming: bool = False) -> Components:
-    """worker_classes: {role: class or import path} overriding trainer.groups.WORKER_CLASSES (tests); resuming:
+    """worker_classes: {role: class or import path} overriding the roles table's worker (tests); resuming:
     the run continues a checkpoint (its metrics.jsonl is appended to)."""
     built_tokenizer = prepare_data(cfg)
     tokenizer = load_tokenizer(cfg.actor.model.tokenizer_path or built_tokenizer or cfg.actor.model.path)
     policy = overlong_policy_from_verl(cfg.data.filter_overlong_prompts, cfg.data.truncation)
     vocab = len(tokenizer)
-    if cfg.rollout.mode == "offline":  # stored trajectories instead of prompts: no generation (trainer/offline.py)
-        from megatron_ppo.trainer.offline import OfflineTrajectories
+    if cfg.rollout.mode == "offline":  # stored trajectories instead of prompts: no generation (rollout/offline.py)
+        from megatron_ppo.rollout.offline import OfflineTrajectories
 
         if cfg.rollout.n != 1:  # GRPO groups / n samples per prompt would silently be groups of one row
             raise ValueError(f"rollout.n={cfg.rollout.n}: offline (rollout.mode=offline) each stored trajectory is "
@@ -141,7 +133,7 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
                         cfg.data.val_max_samples) if cfg.data.val_files else None
     total_steps = total_training_steps(cfg, len(train))
     sampler = StatefulSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    for role in ("actor", "critic", "ref") + (("reward",) if cfg.reward.reward_model.enable else ()):
+    for role in cfg.roles:
         model_arch(cfg, role, vocab)  # an HF model with a smaller vocabulary fails here, before any rank starts
     if cfg.reward.reward_model.enable:
         check_reward_model_tokenizer(cfg, tokenizer)
@@ -168,9 +160,16 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
         raise
     write_run_record(tracker.log_dir, cfg, {role: g.layout for role, g in groups.groups.items()},
                      {role: g.threads for role, g in groups.groups.items()})
+    eos_ids = [eos] if eos is not None else []
+    balance, max_len, pad = cfg.trainer.balance_batch, cfg.data.max_response_length, tokenizer.pad_token_id
+    actor = groups.get("actor")
+    source = OfflineSource(train) if cfg.rollout.mode == "offline" else OnlineSource(
+        train, actor, sampling_params(cfg.rollout, max_len, eos_ids, pad), cfg.rollout.n, balance)
+    val_source = None if val is None else OnlineSource(
+        val, actor, sampling_params(cfg.rollout.val_kwargs, max_len, eos_ids, pad), cfg.rollout.val_kwargs.n, balance)
     return Components(
-        total_steps=total_steps, tokenizer=tokenizer, eos_token_ids=[eos] if eos is not None else [],
-        train_dataset=train, val_dataset=val, sampler=sampler,
+        total_steps=total_steps, tokenizer=tokenizer, eos_token_ids=eos_ids,
+        source=source, val_source=val_source, sampler=sampler,
         scorer=RewardScorer.from_config(cfg.reward, cfg.data.max_response_length),
         vocab_size=vocab, groups=groups, kl_ctrl=kl_ctrl, tracker=tracker, dumper=dumper)
 

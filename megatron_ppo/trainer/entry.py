@@ -13,6 +13,7 @@ import math
 import sys
 
 from megatron_ppo.config import load_config
+from megatron_ppo.errors import UsageError  # refusals before anything runs: exit 2 (cli -> console.report_error)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,15 +44,14 @@ def unsupported_settings(cfg) -> list[str]:
 
 
 def check_device(cfg, cuda_available: bool) -> None:
-    """cluster.device against this machine: cuda without CUDA is refused (SystemExit naming the key); cpu on a CUDA
+    """cluster.device against this machine: cuda without CUDA is refused (UsageError naming the key); cpu on a CUDA
     machine is warned about (the ranks use CUDA whenever it is there; tiny_cpu.yaml says cpu and
     should still run on a GPU box). Checked where training starts, not at config load: configs for GPU clusters
     are validated on CPU machines."""
     device = cfg.cluster.device
     if device == "cuda" and not cuda_available:
-        raise SystemExit("megatron-ppo train: cluster.device=cuda, but torch.cuda.is_available() is false on this "
-                         "machine (the run would go to the CPU); set cluster.device=auto or cpu, or run where CUDA "
-                         "is. Nothing was run.")
+        raise UsageError("cluster.device=cuda, but torch.cuda.is_available() is false on this machine (the run "
+                         "would go to the CPU); set cluster.device=auto or cpu, or run where CUDA is. Nothing was run.")
     if device == "cpu" and cuda_available:
         logging.getLogger(__name__).warning(
             "cluster.device=cpu, but this machine has CUDA, which the ranks use whenever it is "
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     refused = unsupported_settings(cfg)
     if refused:
-        raise SystemExit(f"megatron-ppo train: the driver does not support {refused}. Nothing was run.")
+        raise UsageError(f"the driver does not support {refused}. Nothing was run.")
     checked = run_preflight(cfg)  # inputs, outputs, loggers, models: in seconds, before torch/Megatron/Ray
     import torch
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         try:  # the arithmetic, before any process starts
             plan(cfg)
         except LayoutError as exc:
-            raise SystemExit(f"megatron-ppo train: {exc}. Nothing was run.") from None
+            raise UsageError(f"{exc}. Nothing was run.") from exc
     if args.dry_run:
         print(describe_plan(cfg, checked))
         return 0
@@ -90,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     try:  # trainer.resume_mode: which checkpoint (if any) this run continues
         resume = find_resume(cfg.trainer)
     except CheckpointError as exc:
-        raise SystemExit(f"megatron-ppo train: {exc}. Nothing was run.") from None
+        raise UsageError(f"{exc}. Nothing was run.") from exc
     try:  # before anything is built: a second run into the same log dir is refused in a second, not after minutes
         claim_log_dir(cfg.trainer, to_yaml(cfg), resume_step(resume) if resume else None)
     except LogDirInUseError as exc:
-        raise SystemExit(f"megatron-ppo train: {exc}. Nothing was run.") from None
+        raise UsageError(f"{exc}. Nothing was run.") from exc
     console.set_run_log(f"{cfg.trainer.expand(cfg.trainer.log_dir)}/train.log")
 
     from megatron_ppo.distributed import WorkerGroupError

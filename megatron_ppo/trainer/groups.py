@@ -1,4 +1,4 @@
-"""The driver's worker groups: one per role (actor, critic, ref, reward), on Ray or in this process, and their teardown.
+"""The driver's worker groups: one per enabled role (megatron_ppo/roles.py), on Ray or in this process, and their teardown.
 
 cluster.launcher=ray: the layouts are checked against the cluster (``plan_placement`` -> ``check_fits``) BEFORE
 Ray starts; then ``connect_or_start`` (cluster.ray_address, else $RAY_ADDRESS, else a local cluster sized to the
@@ -12,18 +12,11 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from megatron_ppo import roles
 from megatron_ppo.distributed import (ClusterSlots, LocalWorkerGroup, RankLayout, RankResources, plan_placement)
 from megatron_ppo.distributed.placement import auto_cpus_per_rank, bundles_per_node, local_cpu_count
 
 log = logging.getLogger(__name__)
-
-WORKER_CLASSES = {"actor": "megatron_ppo.workers.actor:ActorWorker",
-                  "critic": "megatron_ppo.workers.critic:CriticWorker",
-                  "ref": "megatron_ppo.workers.ref:RefWorker",
-                  "reward": "megatron_ppo.workers.reward_model:RewardModelWorker"}
-
-
-FROZEN_ROLES = ("ref", "reward")  # no optimizer, no lr schedule, never checkpointed
 
 
 def layouts(cfg) -> dict[str, RankLayout]:
@@ -98,8 +91,9 @@ class RoleGroups:
 
 
 def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = None) -> RoleGroups:
-    """One worker group per role; ``classes`` overrides WORKER_CLASSES (tests: subclasses with probes)."""
-    classes = {**WORKER_CLASSES, **(classes or {})}
+    """One worker group per enabled role (roles.py: its worker class; a trainable role also gets the run's length
+    for its lr schedule); ``classes`` overrides a role's worker class (tests: subclasses with probes)."""
+    classes = {**{r.name: r.worker for r in roles.ROLES}, **(classes or {})}
     kwargs = {"cfg": cfg, "vocab_size": vocab_size}
     out = RoleGroups()
     try:
@@ -111,7 +105,7 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
                 if layout.world_size != 1:
                     raise ValueError(f"cluster.launcher=local hosts one rank per role; cluster.{role} asks for "
                                      f"{layout}")
-                extra = {"total_steps": total_steps} if role not in FROZEN_ROLES else {}
+                extra = {"total_steps": total_steps} if roles.spec(role).trainable else {}
                 out.groups[role] = LocalWorkerGroup(role, classes[role], {**kwargs, **extra}, seed=cfg.trainer.seed)
                 log.info("%s: in this process, %d torch threads", role, torch.get_num_threads())
             return out
@@ -135,7 +129,7 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
             placement = plan(cfg, ray_node_cpu_count())  # bundles sized from the cluster's nodes, not this one's
         out.placement = create_placement(placement)
         for role, layout in layouts(cfg).items():
-            extra = {"total_steps": total_steps} if role not in FROZEN_ROLES else {}
+            extra = {"total_steps": total_steps} if roles.spec(role).trainable else {}
             out.groups[role] = RayWorkerGroup(role, layout, placement.roles[role], classes[role], {**kwargs, **extra},
                                               seed=cfg.trainer.seed, collective_timeout_s=cfg.cluster.collective_timeout_s)
             rp, threads = placement.roles[role], sorted(set(out.groups[role].threads))

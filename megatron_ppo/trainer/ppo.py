@@ -1,10 +1,12 @@
-"""The PPO driver loop: rollout -> score -> evaluate -> advantage -> update -> record, one named method a phase.
+"""The PPO driver loop: rollout -> score -> evaluate -> advantage -> update -> sync weights -> record, one named
+method a phase.
 
-The driver talks only to worker groups (trainer/groups.py: Ray ranks or one in-process rank per role): it sends
-data and the step number and gets back per-row results (``call_rows``: split over the DP replicas by tokens,
-returned in row order) or one replica's global metrics (``call_dp``: the workers reduce them over DP themselves).
-Rewards, advantages and the KL controller stay here; the PPO epochs x mini-batches loop, the losses and the
-target-KL guard run inside the workers (workers/actor.py, critic.py).
+The driver talks only to worker groups (trainer/groups.py: Ray ranks or one in-process rank per role) and to the
+rollout source (rollout/source.py: online or offline): it sends data and the step number and gets back per-row
+results (``call_rows``: split over the DP replicas by tokens, returned in row order) or one replica's global answer
+(``call_split``: the same split; the workers reduce over DP themselves). Rewards, advantages and the KL controller
+stay here; the PPO epochs x mini-batches loop, the losses and the target-KL guard run inside the workers
+(workers/actor.py, critic.py, workers/losses.py).
 """
 from __future__ import annotations
 
@@ -18,15 +20,10 @@ from megatron_ppo.algo.advantages import compute_gae_advantage_return, compute_g
 from megatron_ppo.algo.kl_control import apply_kl_penalty
 from megatron_ppo.algo.losses import explained_variance
 from megatron_ppo.algo.rollout_correction import compute_rollout_correction_and_rejection_mask
-from megatron_ppo.data.batch import RolloutBatch, split_rows
-from megatron_ppo.distributed.dispatch import select_rows
-from megatron_ppo.distributed.dispatch import split_rows as split_over_dp
-from megatron_ppo import ops
+from megatron_ppo.data.batch import RolloutBatch, chunk_rows
+from megatron_ppo import ops, roles
 from megatron_ppo.trainer import checkpoint as ckpt
-from megatron_ppo.trainer.offline import OFFLINE_KEY
-from megatron_ppo.trainer.offline import rollout_batch as offline_rollout_batch
 from megatron_ppo.trainer.tracking import timed
-from megatron_ppo.workers.payload import row_lengths, to_payload
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +45,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------------------------------------ the loop
     def fit(self, total_steps: int) -> list[dict]:
         history = []
-        if self.cfg.trainer.val_before_train and self.p.val_dataset is not None and self.resumed_from is None:
+        if self.cfg.trainer.val_before_train and self.p.val_source is not None and self.resumed_from is None:
             self.p.tracker.log(self.validate(), step=0)
         save_freq = self.cfg.trainer.save_freq
         while self.step < total_steps:
@@ -57,7 +54,7 @@ class PPOTrainer:
             dispatched = self.dispatch_seconds()
             with timed("step", metrics):
                 with timed("gen", metrics):
-                    batch = self.rollout(self.p.train_dataset.collate(self.p.sampler.next_batch()))
+                    batch = self.rollout(self.p.sampler.next_batch())
                 with timed("reward", metrics):
                     self.score(batch, metrics)
                 with timed("old_log_prob", metrics):
@@ -70,10 +67,12 @@ class PPOTrainer:
                 if self.step > self.cfg.trainer.critic_warmup:
                     with timed("update_actor", metrics):
                         self.update_actor(batch, metrics)
+                    with timed("sync_weights", metrics):
+                        self.sync_weights()
             if self.cfg.cluster.launcher == "ray":
                 metrics["timing/dispatch"] = self.dispatch_seconds() - dispatched
             self.record(batch, metrics)
-            if self.p.val_dataset is not None and self.cfg.trainer.test_freq > 0 and (
+            if self.p.val_source is not None and self.cfg.trainer.test_freq > 0 and (
                     self.step % self.cfg.trainer.test_freq == 0 or self.step == total_steps):
                 metrics.update(self.validate())
             history.append(self.p.tracker.log(metrics, step=self.step))
@@ -94,7 +93,10 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def trained_roles(self) -> list[str]:
-        return ["actor"] + (["critic"] if self.p.critic is not None else [])
+        return [r.name for r in roles.trained(self.cfg)]
+
+    def frozen_roles(self) -> list[str]:
+        return [r.name for r in roles.enabled(self.cfg) if not r.trainable]
 
     def state_dict(self) -> dict:
         """The driver's own state (JSON): what the next step depends on besides the workers'."""
@@ -132,12 +134,12 @@ class PPOTrainer:
             states = self.p.groups.get(role).call_all("save_checkpoint", os.path.join(tmp, role))
             ckpt.write_worker_states(tmp, role, states)
         ckpt.copy_hf_config(self.cfg.model_for("actor").path, os.path.join(tmp, "actor"))
-        if self.p.ref is not None:
-            ckpt.write_worker_states(tmp, "ref", self.p.ref.call_all("rng_state"))
+        for role in self.frozen_roles():  # no model state to save: their RNG streams only
+            ckpt.write_worker_states(tmp, role, self.p.groups.get(role).call_all("rng_state"))
         ckpt.write_driver_state(tmp, self.state_dict(), driver_rng)
         final = ckpt.finish_save(root, tmp, self.step)
-        gone = ckpt.prune(root, {"actor": t.max_actor_ckpt_to_keep, "critic": t.max_critic_ckpt_to_keep}
-                          if self.p.critic is not None else {"actor": t.max_actor_ckpt_to_keep}, self.step)
+        gone = ckpt.prune(root, {role: getattr(t, f"max_{role}_ckpt_to_keep") for role in self.trained_roles()},
+                          self.step)
         log.info("checkpoint of step %d saved in %.1f s: %s%s", self.step, time.perf_counter() - start, final,
                  f" (deleted {len(gone)} older)" if gone else "")
         return final
@@ -156,8 +158,9 @@ class PPOTrainer:
                 log.warning("%s: saved at another layout (%s); weights, optimizer and schedules restored, RNG "
                             "streams start afresh (the run continues, not bit-identically)", role,
                             state["layouts"].get(role))
-        if self.p.ref is not None and os.path.isfile(ckpt.worker_state_file(directory, "ref")):
-            self.p.ref.call_all("restore_rng_state", ckpt.read_worker_states(directory, "ref"))
+        for role in self.frozen_roles():
+            if os.path.isfile(ckpt.worker_state_file(directory, role)):
+                self.p.groups.get(role).call_all("restore_rng_state", ckpt.read_worker_states(directory, role))
         from megatron_ppo.parallel.rng_state import restore_rng
 
         restore_rng(driver_rng)  # last: in-process workers share this process's generators
@@ -165,33 +168,19 @@ class PPOTrainer:
         log.info("resumed from %s at step %d", directory, self.step)
 
     # ------------------------------------------------------------------------------------------------ phases
-    def rollout(self, prompts: dict, sampling=None, n: int | None = None) -> RolloutBatch:
-        """The actor generates n responses per prompt; rollout log-probs come back with the tokens. Offline
-        (rollout.mode=offline: the train dataset collates stored trajectories) the stored responses are replayed."""
-        if OFFLINE_KEY in prompts:
-            return offline_rollout_batch(prompts, self.step)
-        sampling = sampling or self.cfg.rollout
-        n = self.cfg.rollout.n if n is None else n
-        rows = [i for i in range(len(prompts["raw_prompt"])) for _ in range(n)]
-        keep = prompts["attention_mask"].bool()  # prompts come left-padded; generation takes them unpadded
-        prompt_ids = [prompts["input_ids"][i][keep[i]] for i in rows]
-        lengths = [int(p.numel()) for p in prompt_ids]
-        out = self.p.actor.call_rows("generate", {"prompt_ids": prompt_ids}, lengths, self.sampling_params(sampling),
-                                     self.step, balance=self.cfg.trainer.balance_batch)
-        width = out["responses"].shape[1]
-        mask = (torch.arange(width) < out["response_lengths"].unsqueeze(1)).float()
-        meta = {key: [prompts[key][i] for i in rows] for key in ("raw_prompt", "data_source", "reward_model", "extra_info", "index")}
-        meta["uid"] = [f"{self.step}-{i}" for i in rows]  # GRPO groups: the n responses to one prompt of this batch
-        return RolloutBatch(prompt_ids, out["responses"], mask, {"rollout_log_probs": out["log_probs"] * mask}, meta)
+    def rollout(self, rows: list[int]) -> RolloutBatch:
+        """This step's rollouts of the sampled rows: the actor's rollout engine answers the prompts (online), or the
+        stored trajectories are replayed (offline: rollout.mode, rollout/source.py)."""
+        return self.p.source.batch(rows, self.step)
 
     def score(self, batch: RolloutBatch, metrics: dict) -> None:
         """Sequence reward placed on each response's last token: the reward model's score when
         reward.reward_model.enable (as verl: it replaces the rule), else the rule / custom function + shaping.
         Offline rows with a stored `reward` keep it (reward/stored_fraction says how many); the others are scored."""
         lengths = batch.response_lengths
-        if self.p.reward_model is not None:
-            scores = self.p.reward_model.call_rows("compute_scores", to_payload(batch), row_lengths(batch),
-                                                   balance=self.cfg.trainer.balance_batch)["scores"]
+        if self.p.reward is not None:
+            scores = self.p.reward.call_rows("compute_scores", batch.select(keys=(), meta=False), batch.row_tokens(),
+                                             balance=self.cfg.trainer.balance_batch)["scores"]
             values = [float(v) for v in scores]
             out_metrics = {"reward/score/mean": float(scores.mean()), "reward/score/min": float(scores.min()),
                            "reward/score/max": float(scores.max()), "reward/rm_score/mean": float(scores.mean()),
@@ -221,7 +210,7 @@ class PPOTrainer:
         """Old log-probs (actor), reference log-probs, values (critic) of the responses, forward only. With
         algorithm.rollout_correction.bypass_mode the old log-probs are the rollout's (verl's apply_bypass_mode):
         the actor's forward is skipped, and so are the metrics that compare it with the rollout."""
-        payload, lengths = to_payload(batch), row_lengths(batch)
+        payload, lengths = batch.select(keys=(), meta=False), batch.row_tokens()
         balance = self.cfg.trainer.balance_batch
         bypass = self.cfg.algorithm.rollout_correction.bypass_mode
         if bypass:
@@ -270,26 +259,28 @@ class PPOTrainer:
         metrics["critic/returns/mean"] = float(masked_mean(t["returns"], batch.loss_mask))
 
     def update_critic(self, batch: RolloutBatch, metrics: dict) -> None:
-        self._update(self.p.critic, "critic", batch, ("values", "returns"), metrics)
+        self._update("critic", batch, metrics)
 
     def update_actor(self, batch: RolloutBatch, metrics: dict) -> None:
-        keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if self.cfg.actor.use_kl_loss else ()) + (
-            ("rollout_is_weights",) if "rollout_is_weights" in batch.tensors else ())
-        self._update(self.p.actor, "actor", batch, keys, metrics)
+        self._update("actor", batch, metrics)
 
-    def _update(self, group, role: str, batch: RolloutBatch, keys: tuple, metrics: dict) -> None:
-        """The role's update on every replica's shard (token-balanced with trainer.balance_batch, else contiguous
-        blocks: the same split as the forwards'); the replicas return the same global metrics (reduced inside the
-        workers), so the first answer stands for all."""
-        payload = to_payload(batch, keys)
-        shards = split_over_dp(row_lengths(batch), group.layout.dp, self.cfg.trainer.balance_batch)
-        result = group.call_dp("update", [select_rows(payload, rows) for rows in shards], self.step)[0]
-        bad = result.pop("_nonfinite")
-        metrics.update(result)
-        self.nonfinite_streak[role] = self.nonfinite_streak.get(role, 0) + 1 if bad["count"] else 0
-        if bad["count"]:
-            self.nonfinite_detail[role] = (f"{bad['count']} of {bad['of']} updates skipped; their loss "
-                                           f"{bad['loss']}, grad_norm {bad['grad_norm']}")
+    def sync_weights(self) -> None:
+        """The actor's rollout engine takes the updated weights (a no-op for the in-actor Megatron engine)."""
+        self.p.actor.call_all("sync_weights")
+
+    def _update(self, role: str, batch: RolloutBatch, metrics: dict) -> None:
+        """The role's update on every replica's shard (the same DP split as the forwards', trainer.balance_batch)
+        of the tensors its worker declares (``update_inputs``); the replicas answer the same global result (reduced
+        inside the workers), so the first stands for all."""
+        group = self.p.groups.get(role)
+        keys = group.worker_cls.update_inputs(self.cfg, batch.tensors)
+        results, _ = group.call_split("update", batch.select(keys=keys, meta=False), batch.row_tokens(), self.step,
+                                      balance=self.cfg.trainer.balance_batch)
+        result = results[0]
+        metrics.update(result.metrics)
+        self.nonfinite_streak[role] = self.nonfinite_streak.get(role, 0) + 1 if result.nonfinite_skips else 0
+        if result.nonfinite_skips:
+            self.nonfinite_detail[role] = result.nonfinite_detail()
 
     def check_nonfinite(self, metrics: dict) -> None:
         """Stop after trainer.max_consecutive_skips steps in a row in which a role had any update skipped for a
@@ -321,23 +312,13 @@ class PPOTrainer:
 
     def validate(self) -> dict:
         """val_kwargs generation (n responses per prompt) on the validation prompts; mean reward per data source."""
-        ds = self.p.val_dataset
-        size = self.cfg.data.val_batch_size or len(ds)
+        source = self.p.val_source
+        size = self.cfg.data.val_batch_size or len(source)
         scores, sources = [], []
-        for rows in split_rows(list(range(len(ds))), size):
-            batch = self.rollout(ds.collate(rows), sampling=self.cfg.rollout.val_kwargs, n=self.cfg.rollout.val_kwargs.n)
+        for rows in chunk_rows(list(range(len(source))), size):
+            batch = source.batch(rows, self.step)
             self.score(batch, {})
             scores += batch.tensors["sequence_scores"].tolist()
             sources += batch.meta["data_source"]
         return {f"val/test_score/{src}": float(np.mean([s for s, d in zip(scores, sources) if d == src]))
                 for src in sorted(set(sources))}
-
-    def sampling_params(self, s) -> dict:
-        """models.generation.SamplingParams fields; the worker derives each replica's seed (dp_seed) from this
-        seed and the step."""
-        return dict(max_response_length=self.cfg.data.max_response_length,
-                    temperature=s.temperature if s.do_sample else 1.0, top_k=max(s.top_k, 0), top_p=s.top_p,
-                    greedy=not s.do_sample, eos_token_ids=tuple(self.p.eos_token_ids),
-                    pad_token_id=self.p.tokenizer.pad_token_id, seed=self.cfg.trainer.seed * 100003,
-                    prefill=self.cfg.rollout.prefill, drop_finished=self.cfg.rollout.drop_finished,
-                    compile_decode=self.cfg.rollout.use_torch_compile)

@@ -29,11 +29,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron_ppo.errors import UsageError
+
 log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")  # as convert/mapping.py (not imported: it loads torch)
 
 
-class PreflightError(ValueError):
+class PreflightError(UsageError):
     """An input of the run is wrong; the message names the key, the file and what to do (exit code 2)."""
 
 
@@ -179,10 +181,14 @@ def check_loggers(cfg) -> None:
 
 
 def _model_key(role: str) -> str:
-    return "reward.reward_model.model" if role == "reward" else f"{role}.model"
+    from megatron_ppo import roles
+
+    return roles.spec(role).model_key
 
 
 def check_model_paths(cfg) -> None:
+    from megatron_ppo import roles
+
     for role in cfg.roles:
         model = cfg.model_for(role)
         for attr in ("path", "tokenizer_path"):
@@ -210,11 +216,12 @@ def check_model_paths(cfg) -> None:
                 raise PreflightError(f"{key}={value}: model_type {model_type!r} is not supported (supported: "
                                      f"{', '.join(SUPPORTED_MODEL_TYPES)})")
             scorer = any(str(a).endswith("ForSequenceClassification") for a in hf_config.get("architectures") or [])
-            if role == "reward" and not scorer:
+            spec = roles.spec(role)
+            if spec.value_model and not spec.trainable and not scorer:  # a frozen value model: a reward model
                 raise PreflightError(f"{key}={value}: architectures {hf_config.get('architectures')} is not a reward "
                                      "model: give an HF *ForSequenceClassification checkpoint with num_labels=1 (a "
                                      "causal LM's score head would be random)")
-            if role in ("actor", "ref") and scorer:
+            if not spec.value_model and scorer:
                 raise PreflightError(f"{key}={value}: architectures {hf_config.get('architectures')} is a reward "
                                      "model (no LM head); the actor and reference need a causal LM")
             check_hf_layout(cfg, role, config, hf_config)
@@ -246,8 +253,9 @@ def check_hf_layout(cfg, role: str, config: Path, hf_config: dict) -> None:
     A count that is missing or not a positive int is left to the model build (arch_from_hf_config names it)."""
     from megatron_ppo.config.checks import PP_SPLIT_COUNTS, TP_SPLIT_COUNTS, layout_split_problems, sizes_that_split
 
-    own = {"actor": cfg.actor.model, "critic": cfg.critic.model, "ref": cfg.ref.model,
-           "reward": cfg.reward.reward_model.model}[role]
+    from megatron_ppo import roles
+
+    own = roles.spec(role).own_model_config(cfg)
     owner = f"{_model_key(role)}.path" if own.path is not None else "actor.model.path"  # critic/ref: inherited
     names = {"tensor_model_parallel_size": [HF_COUNT_NAMES[n] for n in TP_SPLIT_COUNTS] + list(HF_TP_BUILD_COUNTS),
              "pipeline_model_parallel_size": [HF_COUNT_NAMES[n] for n in PP_SPLIT_COUNTS]}

@@ -21,12 +21,14 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 
+from megatron_ppo.errors import UsageError
+
 KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "swanlab")
 METRICS_FILE = "metrics.jsonl"  # one {"step": N, ...} record per line, nothing else (readers rely on that)
 RUN_FILE = "run.json"  # beside it: which run wrote the records
 
 
-class LogDirInUseError(FileExistsError):
+class LogDirInUseError(UsageError, FileExistsError):
     """The log dir's metrics.jsonl already holds another run's records; appending would mix two runs."""
 
 

@@ -1,23 +1,20 @@
 """A thin worker: one Megatron model shard plus (for trainable roles) DDP, optimizer and lr schedule.
 
-It answers generate / forward / train_step and decides nothing about the algorithm: the role workers
+It answers forward / train_step and decides nothing about the algorithm: the role workers
 (workers/actor.py, critic.py, ref.py) build on it, hand it packed micro-batches and the loss or output function
 to run on them, and run the PPO loops themselves.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
-import torch.distributed as dist
 
-from megatron_ppo.models.generation import GenerationOutput, SamplingParams, generate
+from megatron_ppo import parallel
 from megatron_ppo.models.gpt import build_gpt_model
 from megatron_ppo.models.schedule import forward_backward
-from megatron_ppo.models.training import OptimizerSettings, build_optimizer, copy_weights, wrap_ddp
+from megatron_ppo.models.training import OptimizerSettings, build_optimizer, wrap_ddp
 from megatron_ppo.ops.cpu_matmul import onednn_matmul
-from megatron_ppo.parallel.platform import default_device
 
 
 # cpu_gemm="auto": oneDNN from this hidden size up. Measured (tools/bench_cpu_matmul.py): hidden 64 (the tests' tiny
@@ -53,13 +50,6 @@ class MegatronWorker:
     @property
     def module(self):
         return self.ddp if self.ddp is not None else self.model
-
-    def generate(self, prompt_ids: list[torch.Tensor], params: SamplingParams) -> GenerationOutput:
-        # this role's GEMM choice covers its rollouts too: the prefill forwards follow self.onednn (so "auto" keeps a
-        # small model's prefill on torch's GEMMs); "torch" also turns off the decode step's prepacked weights
-        params = dataclasses.replace(params, onednn_prefill=params.onednn_prefill and self.onednn,
-                                     packed_linears=params.packed_linears and self.cpu_gemm != "torch")
-        return generate(self.module, prompt_ids, params)
 
     @torch.no_grad()
     def forward(self, micro_batches: list[dict], output_fn) -> list[dict]:
@@ -105,7 +95,7 @@ class MegatronWorker:
         if self.optimizer.prepare_grads():  # fp16 loss-scale overflow (always False in fp32/bf16)
             return self._skip(result, float("nan"), "loss_scale_overflow")
         grad_norm = float(self.optimizer.get_grad_norm())  # global: reduced over the optimizer's grad-stats group
-        if _any_rank(not (math.isfinite(loss) and math.isfinite(grad_norm))):
+        if parallel.any_rank(not (math.isfinite(loss) and math.isfinite(grad_norm))):
             return self._skip(result, grad_norm, "nonfinite")
         _clip_grads(self.optimizer, grad_norm)
         ok = self.optimizer.step_with_ready_grads()
@@ -123,9 +113,6 @@ class MegatronWorker:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
         return lr
-
-    def copy_weights_from(self, other: "MegatronWorker") -> None:
-        copy_weights(other.model, self.model)
 
 
 def _lr_scheduler(optimizer, optim, total_steps: int):
@@ -166,20 +153,6 @@ def _restorable_scheduler_class():
 
 def _RestorableScheduler(*args, **kwargs):  # noqa: N802 - a class, built lazily (megatron imports are heavy)
     return _restorable_scheduler_class()(*args, **kwargs)
-
-
-def _any_rank(flag: bool) -> bool:
-    """True on every rank when it is True on any rank of this model's replicas (model-parallel x data-parallel),
-    so that all ranks skip or step together. (Megatron's grad norm is already global; the loss lives only on the
-    last pipeline stage, and a rank's decision must never differ from its peers'.)"""
-    if not dist.is_initialized():
-        return flag
-    from megatron.core import parallel_state
-
-    t = torch.tensor([float(flag)], device=default_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return bool(t.item() > 0)
 
 
 def _clip_grads(optimizer, grad_norm: float) -> None:

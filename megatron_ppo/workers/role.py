@@ -17,26 +17,28 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_ppo import parallel
-from megatron_ppo.data.batch import RolloutBatch, micro_batches_by_tokens, pack_rows, split_rows
+from megatron_ppo import parallel, roles
+from megatron_ppo.data.batch import RolloutBatch, chunk_rows, micro_batches_by_tokens, pack_rows
 from megatron_ppo.workers import build
-from megatron_ppo.workers.megatron_worker import MegatronWorker, _any_rank
+from megatron_ppo.workers.megatron_worker import MegatronWorker
+from megatron_ppo.workers.update import UpdateResult
 
 # Micro-batch metrics that are shares of the mini-batch loss (summed); all others are token-weighted means.
-SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss", "_loss")
+SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
 # Why an update was skipped: each is counted as <role>/updates_skipped_<reason>.
 SKIP_REASONS = ("nonfinite", "loss_scale_overflow", "kl_guard")
 
 
 class RoleWorker(MegatronWorker):
-    """One rank of a role: ``ROLE`` is the config section (actor, critic, ref), ``MODEL_ROLE`` build_gpt_model's."""
+    """One rank of a role: ``ROLE`` names its row of the roles table (megatron_ppo/roles.py), which says whether it
+    trains and what head its model has."""
 
     ROLE = "actor"
-    MODEL_ROLE = "actor"
-    TRAINABLE = True
 
     def __init__(self, cfg, vocab_size: int, total_steps: int = 1):
         self.cfg = cfg
+        self.spec = roles.spec(self.ROLE)
+        trainable = self.spec.trainable
         par = getattr(cfg.cluster, self.ROLE)
         arch = build.model_arch(cfg, self.ROLE, vocab_size)  # vocab_size: the tokenizer's; the model may have more
         self.vocab_size = arch.vocab_size  # log-probs over the model's vocabulary (sampling draws from all of it)
@@ -44,19 +46,19 @@ class RoleWorker(MegatronWorker):
         # it lives in the actor's process (launcher=local) or in its own (Ray).
         parallel.seed_everything(cfg.trainer.seed)
         role_cfg = getattr(cfg, self.ROLE)
-        super().__init__(self.MODEL_ROLE, arch,
-                         optim=role_cfg.optim if self.TRAINABLE else None, total_steps=total_steps,
+        super().__init__(self.ROLE, arch,
+                         optim=role_cfg.optim if trainable else None, total_steps=total_steps,
                          params_dtype=build.params_dtype(cfg, self.ROLE),
-                         use_distributed_optimizer=par.use_distributed_optimizer if self.TRAINABLE else False,
+                         use_distributed_optimizer=par.use_distributed_optimizer if trainable else False,
                          recompute=build.recompute(cfg, self.ROLE), sequence_parallel=par.sequence_parallel,
                          cpu_gemm=cfg.model_for(self.ROLE).cpu_gemm)
         # sequence parallelism splits the packed row over TP: every sequence padded to a multiple of TP
         self.align = parallel.tp_size() if par.sequence_parallel and parallel.tp_size() > 1 else 1
         path = cfg.model_for(self.ROLE).path
         if path is not None:
-            from megatron_ppo.trainer.hf_import import hf_import_cache, load_hf_weights
+            from megatron_ppo.convert.hf_import import hf_import_cache, load_hf_weights
 
-            load_hf_weights(self.model, self.MODEL_ROLE, path, hf_import_cache(cfg))
+            load_hf_weights(self.model, self.ROLE, path, hf_import_cache(cfg))
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -81,7 +83,7 @@ class RoleWorker(MegatronWorker):
         rng = capture_rng()  # before the save: whatever the save itself draws is not part of the run
         save_checkpoint(self.model, directory, self.optimizer)
         return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "guard": self.guard_state(), "rng": rng, "layout": _layout()}
+                "guard": self.guard_state(), "rng": rng, "layout": parallel.layout()}
 
     def load_checkpoint(self, directory: str, rank_states: list[dict]) -> dict:
         """Load ``directory`` (saved at any layout) and the small per-rank states ``save_checkpoint`` returned.
@@ -98,9 +100,9 @@ class RoleWorker(MegatronWorker):
             self.scheduler.load_state_dict(first["scheduler"])
         if first.get("guard") is not None and getattr(self, "guard", None) is not None:
             self.guard.load_state_dict(first["guard"])
-        same = len(rank_states) == _world() and rank_states[_rank()]["layout"] == _layout()
+        same = _same_layout(rank_states)
         if same:
-            restore_rng(rank_states[_rank()]["rng"])
+            restore_rng(rank_states[parallel.world_rank()]["rng"])
         return {"rng_restored": same}
 
     def guard_state(self) -> dict | None:
@@ -109,26 +111,16 @@ class RoleWorker(MegatronWorker):
     def rng_state(self) -> dict:
         from megatron_ppo.parallel.rng_state import capture_rng
 
-        return {"rng": capture_rng(), "layout": _layout()}
+        return {"rng": capture_rng(), "layout": parallel.layout()}
 
     def restore_rng_state(self, rank_states: list[dict]) -> bool:
         """A frozen role's RNGs (it has no other state): restored at the saving layout only."""
         from megatron_ppo.parallel.rng_state import restore_rng
 
-        same = len(rank_states) == _world() and rank_states[_rank()]["layout"] == _layout()
+        same = _same_layout(rank_states)
         if same:
-            restore_rng(rank_states[_rank()]["rng"])
+            restore_rng(rank_states[parallel.world_rank()]["rng"])
         return same
-
-    def checksum(self) -> float:
-        """Sum of |w| over this rank's shard, float64: a cheap fingerprint for "did the weights change"."""
-        return float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))
-
-    def peak_rss_mb(self) -> float:
-        """This rank's peak resident memory (the process's high-water mark), MiB."""
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def torch_threads(self) -> int:
         """The intra-op thread count this rank computes with (set from its bundle's CPUs at start-up)."""
@@ -139,18 +131,35 @@ class RoleWorker(MegatronWorker):
         """``rows`` as micro-batches: a fixed number of rows, or (dynamic) a token budget per micro-batch."""
         if dynamic:
             return micro_batches_by_tokens(batch, rows, max_tokens, align=self.align)
-        return split_rows(rows, size or len(rows))
+        return chunk_rows(rows, size or len(rows))
 
-    def forward_rows(self, batch: RolloutBatch, size, dynamic: bool, max_tokens: int, output_fn) -> dict | None:
-        """Forward-only outputs ([B, R] tensors) of every row, in row order; None on a non-last pipeline stage."""
+    def forward_rows(self, batch: RolloutBatch, size, dynamic: bool, max_tokens: int, output_fn,
+                     mask: bool = True) -> dict | None:
+        """Forward-only outputs of every row, in row order; None on a non-last pipeline stage. ``mask``: the
+        outputs are per-token [B, R] and zeroed past each response (else per-row values, as they come)."""
         groups = self.micro_rows(batch, list(range(batch.size)), size, dynamic, max_tokens)
         outputs = self.forward([pack_rows(batch, g, align=self.align) for g in groups], output_fn)
         if not outputs:
             return None
         order = torch.argsort(torch.as_tensor([r for g in groups for r in g]))
-        return {key: torch.cat([o[key] for o in outputs])[order] * batch.response_mask for key in outputs[0]}
+        out = {key: torch.cat([o[key] for o in outputs])[order] for key in outputs[0]}
+        return {key: value * batch.response_mask for key, value in out.items()} if mask else out
 
-    def run_update(self, batch: RolloutBatch, step: int, keys: tuple, make_loss, guard=None) -> dict:
+    @classmethod
+    def update_inputs(cls, cfg, available) -> tuple[str, ...]:
+        """The per-token tensors this role's update reads, of those the driver's batch has (``available``): the
+        driver sends exactly these (the worker's loss is the one place that knows)."""
+        return ()
+
+    def update(self, batch: RolloutBatch, step: int) -> UpdateResult:
+        """The role's PPO update on this rank's shard of the batch (epochs x mini-batches x micro-batches)."""
+        return self.run_update(batch, step, self.update_inputs(self.cfg, batch.tensors), self.make_loss,
+                               getattr(self, "guard", None))
+
+    def make_loss(self, mini_batch_tokens: int, mini_batch_seqs: int):
+        raise NotImplementedError(f"{type(self).__name__}: a trainable role builds its loss here")
+
+    def run_update(self, batch: RolloutBatch, step: int, keys: tuple, make_loss, guard=None) -> UpdateResult:
         """ppo_epochs x mini-batches x micro-batches of this rank's shard, one optimizer step per mini-batch;
         returns the step's global metrics (identical on every rank) and advances the lr schedule once."""
         rc = getattr(self.cfg, self.ROLE)
@@ -162,29 +171,28 @@ class RoleWorker(MegatronWorker):
             if rc.shuffle:
                 order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(
                     self.cfg.trainer.seed * 1000 + step * 10 + epoch)).tolist()
-            for rows in split_rows(order, mini):
+            for rows in chunk_rows(order, mini):
                 groups = self.micro_rows(batch, rows, rc.ppo_micro_batch_size_per_gpu, rc.use_dynamic_bsz,
                                          rc.ppo_max_token_len_per_gpu)
                 micros = [pack_rows(batch, g, keys, align=self.align) for g in groups]
-                tokens, seqs = _dp_sum([float(batch.loss_mask[rows].sum()), float(len(rows))])
+                tokens, seqs = parallel.dp_sum([float(batch.loss_mask[rows].sum()), float(len(rows))])
                 loss_fn = _scaled(make_loss(int(round(tokens)), int(round(seqs))), dp)
                 weights = [float(batch.loss_mask[g].sum()) for g in groups]
                 reduced = {}
 
                 def decide(per_micro, weights=weights, reduced=reduced):
                     reduced.update(reduce_metrics(per_micro, weights))
-                    return guard is not None and _any_rank(guard.should_skip(reduced["actor/ppo_kl_k3"]))
+                    return guard is not None and parallel.any_rank(guard.should_skip(reduced["actor/ppo_kl_k3"]))
 
                 result = self.train_step(micros, loss_fn, decide)
+                if result["skip_reason"] == "nonfinite":  # every rank agrees on it: the collective is safe
+                    result["global_loss"] = _global_loss(result["loss"], dp)
                 results.append({**result, "metrics": reduced})
         return self._summarise(results)
 
-    def _summarise(self, results: list[dict]) -> dict:
-        role = "actor" if self.ROLE == "actor" else "critic"
-        metrics = {}
-        for key in results[0]["metrics"]:
-            if key != "_loss":
-                metrics[key] = sum(r["metrics"][key] for r in results) / len(results)
+    def _summarise(self, results: list[dict]) -> UpdateResult:
+        role = self.ROLE
+        metrics = {key: sum(r["metrics"][key] for r in results) / len(results) for key in results[0]["metrics"]}
         stepped = [r["grad_norm"] for r in results if not r["update_skipped"]]
         metrics[f"{role}/grad_norm"] = sum(stepped) / len(stepped) if stepped else float("nan")
         metrics[f"{role}/lr"] = self.step_lr_scheduler()
@@ -192,54 +200,38 @@ class RoleWorker(MegatronWorker):
         for reason in SKIP_REASONS:
             metrics[f"{role}/updates_skipped_{reason}"] = float(sum(r["skip_reason"] == reason for r in results))
         bad = [r for r in results if r["skip_reason"] == "nonfinite"]
-        metrics["_nonfinite"] = {"count": len(bad), "of": len(results),
-                                 "loss": [r["metrics"]["_loss"] for r in bad],
-                                 "grad_norm": [r["grad_norm"] for r in bad]}
-        return metrics
+        return UpdateResult(metrics=metrics, optimizer_steps=len(results), nonfinite_skips=len(bad),
+                            nonfinite_losses=[r["global_loss"] for r in bad],
+                            nonfinite_grad_norms=[r["grad_norm"] for r in bad])
+
+
+def _same_layout(rank_states: list[dict]) -> bool:
+    """Saved at this very layout (so this rank's own saved RNG state exists)."""
+    return len(rank_states) == parallel.world_size() and \
+        rank_states[parallel.world_rank()]["layout"] == parallel.layout()
 
 
 def _scaled(loss_fn, dp: int):
-    """The loss times dp (DDP averages gradients over the replicas; the normalisers are global counts), and the
-    unscaled loss recorded as the metric ``_loss``."""
+    """The loss times dp (DDP averages gradients over the replicas; the normalisers are global counts)."""
 
     def scaled(output, micro):
         loss, metrics = loss_fn(output, micro)
-        return loss * dp if dp > 1 else loss, {**metrics, "_loss": loss.detach()}
+        return (loss * dp if dp > 1 else loss), metrics
 
     return scaled
 
 
-def _dp_sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if parallel.dp_size() > 1:
-        t = _all_reduce(t, _dp_group())
-    return t.tolist()
+def _global_loss(rank_loss: float, dp: int) -> float:
+    """The mini-batch's (unscaled) loss: this rank's summed micro-batch losses (x dp; only the last pipeline stage
+    has any) summed over the pipeline and data-parallel groups."""
+    from megatron_ppo.parallel import _ps
 
-
-def _dp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_group(with_context_parallel=True)
-
-
-def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
-    from megatron_ppo.parallel.platform import default_device
-
-    dev = t.to(default_device())
-    dist.all_reduce(dev, group=group)
-    return dev.cpu()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _layout() -> dict:
-    return {"tp": parallel.tp_size(), "pp": parallel.pp_size(), "dp": parallel.dp_size(), "world": _world()}
+    t = torch.tensor([rank_loss / dp], dtype=torch.float64)
+    if parallel.pp_size() > 1:
+        t = parallel.all_reduce(t, _ps().get_pipeline_model_parallel_group())
+    if dp > 1:
+        t = parallel.all_reduce(t, parallel.dp_group())
+    return float(t[0])
 
 
 def reduce_metrics(per_micro: list[dict], weights: list[float]) -> dict:
@@ -269,9 +261,9 @@ def reduce_metrics(per_micro: list[dict], weights: list[float]) -> dict:
                 vec[j] = sum(m[key] * w for m, w in zip(per_micro, weights))
         vec[-1] = sum(weights)
     if pp > 1:
-        vec = _all_reduce(vec, parallel_state.get_pipeline_model_parallel_group())
+        vec = parallel.all_reduce(vec, parallel_state.get_pipeline_model_parallel_group())
     if parallel.dp_size() > 1:
-        vec = _all_reduce(vec, _dp_group())
+        vec = parallel.all_reduce(vec, parallel.dp_group())
     total = float(vec[-1])
     return {key: float(vec[j]) if key in SHARE_METRICS else (float(vec[j]) / total if total > 0 else 0.0)
             for j, key in enumerate(keys)}

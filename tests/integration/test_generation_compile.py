@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_ppo.models.arch import tiny_arch
-from megatron_ppo.models.generation import SamplingParams
+from megatron_ppo.rollout.generation import SamplingParams
 
 VOCAB = 500
 
@@ -23,7 +23,7 @@ def actor(megatron_single):
 def test_compiled_decode_equals_eager(actor, prefill):
     import torch._dynamo
 
-    from megatron_ppo.models import generation
+    from megatron_ppo.rollout import generation
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 9, 3, 6)]
@@ -34,10 +34,12 @@ def test_compiled_decode_equals_eager(actor, prefill):
     counters = torch._dynamo.utils.counters
     counters.clear()
     stopped = []
-    for base in (SamplingParams(max_response_length=10, greedy=True, eos_token_ids=eos, prefill=prefill),
-                 SamplingParams(max_response_length=10, temperature=0.8, top_k=40, seed=3, prefill=prefill)):
-        eager = generation.generate(actor, prompts, base)
-        compiled = generation.generate(actor, prompts, SamplingParams(**{**base.__dict__, "compile_decode": True}))
+    options = generation.DecodeOptions(prefill=prefill)
+    for base in (SamplingParams(max_response_length=10, greedy=True, eos_token_ids=eos),
+                 SamplingParams(max_response_length=10, temperature=0.8, top_k=40, seed=3)):
+        eager = generation.generate(actor, prompts, base, options)
+        compiled = generation.generate(actor, prompts, base,
+                                       generation.DecodeOptions(prefill=prefill, compile_decode=True))
         for name in ("responses", "response_lengths", "finished"):
             assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
         torch.testing.assert_close(compiled.log_probs, eager.log_probs, atol=1e-5, rtol=0)

@@ -1,5 +1,5 @@
 """The decode speed-ups are exact: keys RoPE-rotated once into the cache (``CachedRopeSelfAttention``) and the lean
-one-token step (``models.decode_step``) on the modules' own linears give bit-identical tokens and log-probs to
+one-token step (``rollout.decode_step``) on the modules' own linears give bit-identical tokens and log-probs to
 megatron's own path (megatron's ``SelfAttention``, which caches un-rotated keys and re-rotates the cache every step,
 through ``GPTModel.forward``), for Llama- and Qwen2-style (qkv bias) and GELU-MHA models, tied and untied, ragged and
 aligned prefill, greedy and sampled, rows leaving at eos; at TP2 / TP2+SP / PP2 too. With oneDNN-prepacked GEMM
@@ -16,7 +16,7 @@ from megatron.core.transformer.attention import SelfAttention
 
 from megatron_ppo.models.arch import tiny_arch
 from megatron_ppo.models.attention import CachedRopeSelfAttention
-from megatron_ppo.models.generation import SamplingParams, generate
+from megatron_ppo.rollout.generation import DecodeOptions, SamplingParams, generate
 
 VOCAB = 500
 ARCHS = {"llama": {}, "llama_tied": {"tie_word_embeddings": True},
@@ -52,14 +52,14 @@ def _random_biases(model):
     return model
 
 
-def _three_ways(model, prompts, params):
+def _three_ways(model, prompts, params, options):
     """(lean step on the modules' linears + rotated cache, megatron forward + rotated cache, megatron's own path),
     all three on torch's GEMMs (neither prepacked decode weights nor oneDNN prefill)."""
-    params = dataclasses.replace(params, packed_linears=False, onednn_prefill=False)
-    lean = generate(model, prompts, params)
-    full = generate(model, prompts, dataclasses.replace(params, lean_decode=False))
+    options = dataclasses.replace(options, packed_linears=False, onednn_prefill=False)
+    lean = generate(model, prompts, params, options)
+    full = generate(model, prompts, params, dataclasses.replace(options, lean_decode=False))
     with megatron_self_attention(model):
-        megatron = generate(model, prompts, dataclasses.replace(params, lean_decode=False))
+        megatron = generate(model, prompts, params, dataclasses.replace(options, lean_decode=False))
     return lean, full, megatron
 
 
@@ -79,20 +79,21 @@ def _assert_identical(a, b):
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("prefill", ["ragged", "aligned"])
 def test_lean_step_and_rotated_cache_are_bit_identical_to_megatron(megatron_single, arch, prefill, monkeypatch):
-    from megatron_ppo.models import decode_step
-    from megatron_ppo.models.decode_step import unsupported_reason
+    from megatron_ppo.rollout import decode_step
+    from megatron_ppo.rollout.decode_step import unsupported_reason
     from megatron_ppo.models.gpt import build_gpt_model
 
     model = _random_biases(build_gpt_model(tiny_arch(vocab_size=VOCAB, **ARCHS[arch]), "actor"))
     assert unsupported_reason(model) is None  # the lean step really runs
-    sampled = SamplingParams(max_response_length=12, temperature=0.8, seed=5, prefill=prefill)
-    lean, full, megatron = _three_ways(model, _prompts(), sampled)
+    sampled = SamplingParams(max_response_length=12, temperature=0.8, seed=5)
+    opts = DecodeOptions(prefill=prefill)
+    lean, full, megatron = _three_ways(model, _prompts(), sampled, opts)
     _assert_identical(lean, full)
     _assert_identical(lean, megatron)
-    greedy = generate(model, _prompts(), dataclasses.replace(sampled, greedy=True))
+    greedy = generate(model, _prompts(), dataclasses.replace(sampled, greedy=True), opts)
     eos = (int(greedy.responses[1, 2]), int(greedy.responses[3, 5]))  # rows stop early and leave the batch
     stop = dataclasses.replace(sampled, eos_token_ids=eos, greedy=True)
-    lean, full, megatron = _three_ways(model, _prompts(), stop)
+    lean, full, megatron = _three_ways(model, _prompts(), stop, opts)
     assert bool(lean.finished.any())
     _assert_identical(lean, full)
     _assert_identical(lean, megatron)
@@ -101,15 +102,16 @@ def test_lean_step_and_rotated_cache_are_bit_identical_to_megatron(megatron_sing
     real_call = decode_step._PackedLinear.__call__
     monkeypatch.setattr(decode_step._PackedLinear, "__call__",
                         lambda self, x: packed_calls.append(1) or real_call(self, x))  # counts, then runs it
-    greedy = generate(model, _prompts(), dataclasses.replace(sampled, greedy=True))
+    greedy = generate(model, _prompts(), dataclasses.replace(sampled, greedy=True), opts)
     assert len(packed_calls) >= 11 * (4 * 2 + 1)  # 11 decode steps x (2 layers x 4 linears + output layer)
     with megatron_self_attention(model):
-        greedy_megatron = generate(model, _prompts(), dataclasses.replace(sampled, greedy=True, lean_decode=False))
+        greedy_megatron = generate(model, _prompts(), dataclasses.replace(sampled, greedy=True),
+                                   dataclasses.replace(opts, lean_decode=False))
     _assert_close(greedy, greedy_megatron)
 
 
 def test_packing_falls_back_to_the_modules_where_it_does_not_apply(megatron_single):
-    from megatron_ppo.models.decode_step import DecodeStep, onednn_packable
+    from megatron_ppo.rollout.decode_step import DecodeStep, onednn_packable
     from megatron_ppo.models.gpt import build_gpt_model
 
     fp32 = build_gpt_model(tiny_arch(vocab_size=VOCAB), "actor")
@@ -118,7 +120,7 @@ def test_packing_falls_back_to_the_modules_where_it_does_not_apply(megatron_sing
     assert DecodeStep(fp32, 32, 4).linears is not None and DecodeStep(bf16, 32, 4).linears is None
     params = SamplingParams(max_response_length=6, greedy=True)
     _assert_identical(generate(bf16, _prompts(), params),
-                      generate(bf16, _prompts(), dataclasses.replace(params, packed_linears=False)))
+                      generate(bf16, _prompts(), params, DecodeOptions(packed_linears=False)))
 
 
 def test_rotated_cache_holds_megatron_rotation_of_each_key(megatron_single):
@@ -147,7 +149,7 @@ def test_rotated_cache_holds_megatron_rotation_of_each_key(megatron_single):
 
 
 def test_a_model_the_lean_step_does_not_cover_falls_back(megatron_single):
-    from megatron_ppo.models.decode_step import unsupported_reason
+    from megatron_ppo.rollout.decode_step import unsupported_reason
     from megatron_ppo.models.gpt import build_gpt_model
 
     model = build_gpt_model(tiny_arch(vocab_size=VOCAB), "actor")
@@ -169,11 +171,11 @@ def _job_layouts(rank, world, layout):
         model = _random_biases(build_gpt_model(tiny_arch(vocab_size=VOCAB, add_qkv_bias=True), "actor",
                                                sequence_parallel=sp))
         params = SamplingParams(max_response_length=10, temperature=0.9, seed=3)
-        lean, full, megatron = _three_ways(model, _prompts(), params)
+        lean, full, megatron = _three_ways(model, _prompts(), params, DecodeOptions())
         greedy = dataclasses.replace(params, greedy=True)
         packed = generate(model, _prompts(), greedy)
         with megatron_self_attention(model):
-            packed_ref = generate(model, _prompts(), dataclasses.replace(greedy, lean_decode=False))
+            packed_ref = generate(model, _prompts(), greedy, DecodeOptions(lean_decode=False))
     finally:
         parallel.destroy(destroy_process_group=False)
     same = all(torch.equal(lean.responses, x.responses) and torch.equal(lean.log_probs, x.log_probs)

@@ -90,7 +90,7 @@ def main():
     from megatron_ppo.models.arch import tiny_arch
     from megatron_ppo.models.checkpoint import save_checkpoint
     from megatron_ppo.models.gpt import build_gpt_model
-    from megatron_ppo.trainer.hf_import import converted_checkpoint
+    from megatron_ppo.convert.hf_import import converted_checkpoint
 
     out, hf = sys.argv[1], sys.argv[2]
     converted_checkpoint(hf, out + "/hf_import")  # the trainer's cache of converted HF models
@@ -129,7 +129,7 @@ def test_real_cross_version_checkpoints(megatron_single, tmp_path):
     from megatron_ppo.models.checkpoint import META_FILE, load_checkpoint
     from megatron_ppo.models.gpt import build_gpt_model
     from megatron_ppo.testing.tiny_hf import make_tiny_hf
-    from megatron_ppo.trainer.hf_import import converted_checkpoint, load_hf_weights
+    from megatron_ppo.convert.hf_import import converted_checkpoint, load_hf_weights
 
     overlay = _overlay()
     if mcore.version_tuple() >= mcore.COMMON_STATE_IN_SHARDS:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_ppo.models.arch import tiny_arch
-from megatron_ppo.models.generation import SamplingParams, filter_logits
+from megatron_ppo.rollout.generation import DecodeOptions, SamplingParams, filter_logits
 
 VOCAB = 500
 
@@ -38,7 +38,7 @@ def actor(megatron_single):
 
 
 def test_kv_cache_equals_recompute_and_logprobs_equal_teacher_forcing(actor):
-    from megatron_ppo.models.generation import generate
+    from megatron_ppo.rollout.generation import generate
 
     prompts = _prompts()
     for params in (SamplingParams(max_response_length=12, greedy=True),
@@ -53,7 +53,7 @@ def test_kv_cache_equals_recompute_and_logprobs_equal_teacher_forcing(actor):
 
 
 def test_eos_stops_a_row_and_pads_the_rest(actor):
-    from megatron_ppo.models.generation import generate
+    from megatron_ppo.rollout.generation import generate
 
     prompts = _prompts()
     base = generate(actor, prompts, SamplingParams(max_response_length=10, greedy=True))
@@ -71,7 +71,7 @@ def test_eos_stops_a_row_and_pads_the_rest(actor):
 
 
 def test_seeded_sampling_is_deterministic_and_top_k1_is_greedy(actor):
-    from megatron_ppo.models.generation import generate
+    from megatron_ppo.rollout.generation import generate
 
     prompts = _prompts()
     p = SamplingParams(max_response_length=16, temperature=1.3, seed=11)
@@ -85,7 +85,7 @@ def test_seeded_sampling_is_deterministic_and_top_k1_is_greedy(actor):
 
 
 def test_bad_inputs_are_named(actor):
-    from megatron_ppo.models.generation import generate
+    from megatron_ppo.rollout.generation import generate
 
     with pytest.raises(ValueError, match="prompt 1"):
         generate(actor, [torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)], SamplingParams(max_response_length=2))
@@ -118,7 +118,7 @@ def _forward_batches(model):
 
 
 def test_ragged_prefill_equals_aligned_loop_in_one_prefill_forward(actor):
-    from megatron_ppo.models.generation import generate
+    from megatron_ppo.rollout.generation import generate
 
     prompts = _prompts()  # lengths 5, 9, 3, 6
     eos = int(generate(actor, prompts, SamplingParams(max_response_length=10, greedy=True)).responses[2, 4])
@@ -127,10 +127,10 @@ def test_ragged_prefill_equals_aligned_loop_in_one_prefill_forward(actor):
                                 pad_token_id=VOCAB - 1)):
         shapes, handle = _forward_batches(actor)
         try:
-            ragged = generate(actor, prompts, SamplingParams(**{**base.__dict__, "prefill": "ragged"}))
+            ragged = generate(actor, prompts, base, DecodeOptions(prefill="ragged"))
             n_ragged = len(shapes)
             shapes.clear()
-            aligned = generate(actor, prompts, SamplingParams(**{**base.__dict__, "prefill": "aligned"}))
+            aligned = generate(actor, prompts, base, DecodeOptions(prefill="aligned"))
             n_aligned = len(shapes)
         finally:
             handle.remove()
@@ -145,7 +145,7 @@ def test_ragged_prefill_equals_aligned_loop_in_one_prefill_forward(actor):
 
 
 def test_prefill_groups_minimise_padded_tokens_plus_forwards():
-    from megatron_ppo.models.generation import prefill_groups
+    from megatron_ppo.rollout.generation import prefill_groups
 
     assert prefill_groups([9, 6, 5, 3], 32) == [(0, 4)]  # padding is cheaper than another forward
     assert prefill_groups([9, 6, 5, 3], 0) == [(0, 1), (1, 2), (2, 3), (3, 4)]
@@ -155,26 +155,28 @@ def test_prefill_groups_minimise_padded_tokens_plus_forwards():
 
 
 def test_grouped_prefill_of_far_apart_lengths_equals_aligned_loop(actor):
-    from megatron_ppo.models.generation import generate
+    from megatron_ppo.rollout.generation import generate
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 90, 7, 88, 50, 5)]
     shapes, handle = _forward_batches(actor)
     try:
-        ragged = generate(actor, prompts, SamplingParams(max_response_length=6, greedy=True, prefill="ragged"))
+        ragged = generate(actor, prompts, SamplingParams(max_response_length=6, greedy=True),
+                          DecodeOptions(prefill="ragged"))
     finally:
         handle.remove()
     prefill = shapes[:-5]  # the last 5 forwards decode response tokens 2..6
     assert len(prefill) >= 2 and sum(b for b, _ in prefill) == len(prompts), shapes  # >1 group, each row once
     assert sum(b * s for b, s in prefill) < len(prompts) * 90  # fewer than the left-padded batch's tokens
-    aligned = generate(actor, prompts, SamplingParams(max_response_length=6, greedy=True, prefill="aligned"))
+    aligned = generate(actor, prompts, SamplingParams(max_response_length=6, greedy=True),
+                       DecodeOptions(prefill="aligned"))
     assert torch.equal(ragged.responses, aligned.responses)
     torch.testing.assert_close(ragged.log_probs, aligned.log_probs, atol=1e-5, rtol=0)
     assert _teacher_forced(actor, prompts, ragged, 1.0) < 1e-5
 
 
 def test_dropping_finished_rows_changes_no_result(actor):
-    from megatron_ppo.models.generation import generate
+    from megatron_ppo.rollout.generation import generate
 
     prompts = _prompts()
     probe = generate(actor, prompts, SamplingParams(max_response_length=12, temperature=1.5, seed=7))
@@ -187,9 +189,9 @@ def test_dropping_finished_rows_changes_no_result(actor):
                                 eos_token_ids=eos)):
         shapes, handle = _forward_batches(actor)
         try:
-            dropped = generate(actor, prompts, SamplingParams(**{**base.__dict__, "drop_finished": True}))
+            dropped = generate(actor, prompts, base, DecodeOptions(drop_finished=True))
             batches = [s[0] for s in shapes]
-            kept = generate(actor, prompts, SamplingParams(**{**base.__dict__, "drop_finished": False}))
+            kept = generate(actor, prompts, base, DecodeOptions(drop_finished=False))
         finally:
             handle.remove()
         for name in ("responses", "response_lengths", "finished"):
@@ -202,16 +204,16 @@ def test_dropping_finished_rows_changes_no_result(actor):
 
 
 def test_prefill_mode_is_checked(actor):
-    from megatron_ppo.models.generation import resolve_prefill
+    from megatron_ppo.rollout.generation import resolve_prefill
 
     assert resolve_prefill(actor, "auto") == "ragged"  # the local spec's SDPACoreAttention takes masks
     assert resolve_prefill(actor, "aligned") == "aligned"
     with pytest.raises(ValueError, match="prefill"):
-        SamplingParams(max_response_length=2, prefill="left")
+        DecodeOptions(prefill="left")
 
 
 def test_inverse_cdf_sampler_never_draws_a_zero_and_follows_the_distribution():
-    from megatron_ppo.models.generation import sample_from_probs
+    from megatron_ppo.rollout.generation import sample_from_probs
 
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
     edges = torch.tensor([0.0, 0.5, 0.75, 1.0 - 2 ** -53, 1.0], dtype=torch.float64)  # 1.0: u*total rounding up
@@ -229,7 +231,7 @@ def test_inverse_cdf_sampler_never_draws_a_zero_and_follows_the_distribution():
 
 def _job_greedy_layouts(rank, world, layout):
     from megatron_ppo import parallel
-    from megatron_ppo.models.generation import generate
+    from megatron_ppo.rollout.generation import generate
     from megatron_ppo.models.gpt import build_gpt_model
     from megatron_ppo.testing.sharding import load_full_state_dict
 
@@ -240,7 +242,7 @@ def _job_greedy_layouts(rank, world, layout):
         model = build_gpt_model(arch, "actor")
         full = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         ref = generate(model, _prompts(), params)
-        ref_aligned = generate(model, _prompts(), SamplingParams(**{**params.__dict__, "prefill": "aligned"}))
+        ref_aligned = generate(model, _prompts(), params, DecodeOptions(prefill="aligned"))
         eos = (int(ref.responses[0, 3]), int(ref.responses[2, 6]))
         stop = SamplingParams(**{**params.__dict__, "eos_token_ids": eos})
         ref_stop = generate(model, _prompts(), stop)
@@ -252,7 +254,7 @@ def _job_greedy_layouts(rank, world, layout):
         model = build_gpt_model(arch, "actor", sequence_parallel=sp)
         load_full_state_dict(model, full)
         got = generate(model, _prompts(), params)
-        got_aligned = generate(model, _prompts(), SamplingParams(**{**params.__dict__, "prefill": "aligned"}))
+        got_aligned = generate(model, _prompts(), params, DecodeOptions(prefill="aligned"))
         got_stop = generate(model, _prompts(), stop)
         sampled = generate(model, _prompts(), SamplingParams(max_response_length=8, temperature=1.2, seed=2))
         still_sp = model.config.sequence_parallel

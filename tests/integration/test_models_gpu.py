@@ -79,7 +79,7 @@ def test_transformer_engine_spec_matches_local_spec(megatron_single):
 
 
 def test_generation_on_gpu_kv_cache_equals_recompute(megatron_single):
-    from megatron_ppo.models.generation import SamplingParams, generate
+    from megatron_ppo.rollout.generation import SamplingParams, generate
     from megatron_ppo.models.gpt import build_gpt_model
 
     model = build_gpt_model(tiny_arch(), "actor", params_dtype=torch.float32)
@@ -92,8 +92,9 @@ def test_generation_on_gpu_kv_cache_equals_recompute(megatron_single):
 
 def test_cpu_gemm_routing_stays_off_on_gpu(megatron_single, monkeypatch):
     """cpu_gemm=onednn must not put its per-op Python dispatch mode on a GPU worker's passes."""
-    from megatron_ppo.models.generation import SamplingParams
     from megatron_ppo.ops import cpu_matmul
+    from megatron_ppo.rollout.generation import SamplingParams
+    from megatron_ppo.rollout.megatron import MegatronEngine
     from megatron_ppo.workers.megatron_worker import MegatronWorker
 
     entered = []
@@ -101,5 +102,5 @@ def test_cpu_gemm_routing_stays_off_on_gpu(megatron_single, monkeypatch):
     monkeypatch.setattr(cpu_matmul._OneDNNMatmul, "__enter__", lambda self: entered.append(1) or real(self))
     worker = MegatronWorker("actor", tiny_arch(), params_dtype=torch.bfloat16, cpu_gemm="onednn")
     assert not worker.onednn
-    worker.generate(_seqs(512, (9, 5)), SamplingParams(max_response_length=4, greedy=True))
+    MegatronEngine.for_worker(worker).generate(_seqs(512, (9, 5)), SamplingParams(max_response_length=4, greedy=True))
     assert entered == []

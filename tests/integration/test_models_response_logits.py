@@ -53,7 +53,7 @@ def test_logit_positions_are_the_distinct_positions_resp_pos_reads():
 def _logprobs(model, micros):
     """Forward-only log-probs/entropy through the schedule, and the model output's length along the sequence."""
     from megatron_ppo.models.schedule import forward_backward
-    from megatron_ppo.trainer.losses import logprob_output_fn
+    from megatron_ppo.workers.losses import logprob_output_fn
 
     out_fn, lengths = logprob_output_fn(VOCAB, TEMPERATURE), []
 
@@ -66,7 +66,7 @@ def _logprobs(model, micros):
     return outs, lengths
 
 
-@pytest.mark.parametrize("role", ["actor", "reference"])
+@pytest.mark.parametrize("role", ["actor", "ref"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)], ids=["fp32", "bf16"])
 def test_logprobs_at_response_positions_equal_the_full_path(megatron_single, role, tied, dtype, tol):
@@ -108,7 +108,7 @@ def test_actor_update_at_response_positions_equals_the_full_path(megatron_single
     gradients and updated weights whether the LM head ran on the response positions or on every token."""
     from megatron_ppo.data.batch import pack_rows
     from megatron_ppo.models.arch import tiny_arch
-    from megatron_ppo.trainer.losses import actor_loss_fn
+    from megatron_ppo.workers.losses import actor_loss_fn
     from megatron_ppo.workers.megatron_worker import MegatronWorker
 
     from megatron_ppo import parallel
@@ -178,7 +178,7 @@ def _job_layout(rank, world, layout, tied):
     from megatron_ppo.models.schedule import forward_backward
     from megatron_ppo.models.training import wrap_ddp
     from megatron_ppo.testing.sharding import gather_full_state_dict
-    from megatron_ppo.trainer.losses import response_logprobs_entropy
+    from megatron_ppo.workers.losses import response_logprobs_entropy
 
     tp, pp, sp = {"tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False)}[layout]
     parallel.initialize(tp=tp, pp=pp, seed=13)

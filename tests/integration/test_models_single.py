@@ -152,7 +152,7 @@ def test_roles(megatron_single):
     ids = torch.randint(0, arch.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
     actor = _build(arch, "actor")
     assert actor.share_embeddings_and_output_weights and actor(ids, None, None).shape == (2, 9, 512)
-    ref = _build(arch, "reference")
+    ref = _build(arch, "ref")
     assert not any(p.requires_grad for p in ref.parameters()) and not ref.training
     critic = _build(arch, "critic", value_head_bias=True)
     assert isinstance(critic.output_layer, ValueHead) and not critic.share_embeddings_and_output_weights

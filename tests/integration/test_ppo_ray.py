@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer_ppo import _overrides, data_dir  # noqa: E402,F401  (helpers and fixture reused)
 
 from megatron_ppo.config import load_config  # noqa: E402
+from megatron_ppo.testing.probes import PROBED_WORKERS, WorkerProbes  # noqa: E402
 from megatron_ppo.workers.actor import ActorWorker  # noqa: E402
 from megatron_ppo.workers.critic import CriticWorker  # noqa: E402
 
@@ -44,7 +45,7 @@ COMPARED = ("actor/pg_loss", "actor/ppo_kl", "actor/ppo_kl_k3", "actor/grad_norm
             "critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac")
 
 
-class _FullState:
+class _FullState(WorkerProbes):
     """Test probes: the full (TP1/PP1) weights of this rank's model, gathered over TP and PP, and loading them."""
 
     def full_state_dict(self) -> dict:
@@ -112,7 +113,7 @@ def reference_step(data_dir, tmp_path_factory):
     try:
         trainer = PPOTrainer(cfg, parts)
         trainer.step = 1
-        batch = trainer.rollout(parts.train_dataset.collate(parts.sampler.next_batch()))
+        batch = trainer.rollout(parts.sampler.next_batch())
         trainer.score(batch, {})
         before = {r: gather_full_state_dict(getattr(parts, r).worker.model) for r in ("actor", "critic")}
         metrics = _prepare(trainer, batch)
@@ -182,7 +183,7 @@ def test_ray_layouts_equal_the_in_process_tp1_step(name, ray_session, reference_
             assert actor.call_all("checksum") == sums  # no rank moved
 
         if name == "DP2":  # rollouts: different tokens per replica, reproduced at the same step
-            prompts = parts.train_dataset.collate([0, 0, 0, 0])  # one prompt, 4 times: 2 rows per replica
+            prompts = [0, 0, 0, 0]  # one prompt, 4 times: 2 rows per replica
             first = trainer.rollout(prompts)
             again = trainer.rollout(prompts)
             assert torch.equal(first.responses, again.responses)
@@ -200,7 +201,7 @@ def test_critic_warmup_on_ray_leaves_every_actor_rank_unchanged(ray_session, dat
     cfg = _cfg(data_dir, tmp_path, "ray", **{"trainer.critic_warmup": 1, "actor.use_kl_loss": "true",
                                              "cluster.actor.tensor_model_parallel_size": 2,
                                              "cluster.ref.tensor_model_parallel_size": 2})
-    parts = build_components(cfg)
+    parts = build_components(cfg, worker_classes=PROBED_WORKERS)
     try:
         assert parts.ref.call_all("checksum") == parts.actor.call_all("checksum")  # the reference is the actor
         actor0, critic0 = parts.actor.call_all("checksum"), parts.critic.call_all("checksum")
@@ -221,7 +222,6 @@ def test_balance_batch_false_splits_every_dp_call_into_contiguous_rows(ray_sessi
     the updates followed the key; call_rows always balanced tokens)."""
     from megatron_ppo.distributed import dispatch
     from megatron_ppo.distributed import group as group_module
-    from megatron_ppo.trainer import ppo as ppo_module
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import PPOTrainer
 
@@ -234,8 +234,14 @@ def test_balance_batch_false_splits_every_dp_call_into_contiguous_rows(ray_sessi
             return shards
         return split
 
-    monkeypatch.setattr(group_module, "split_rows", recording("call_rows"))
-    monkeypatch.setattr(ppo_module, "split_over_dp", recording("update"))
+    monkeypatch.setattr(group_module, "split_rows", recording("call_split"))  # the one DP split: forwards, updates
+    methods, real_split = [], group_module.WorkerGroup.call_split
+
+    def recording_split(self, method, *args, **kwargs):
+        methods.append(method)
+        return real_split(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(group_module.WorkerGroup, "call_split", recording_split)
     cfg = _cfg(data_dir, tmp_path, "ray", **{"trainer.balance_batch": "false", "trainer.val_before_train": "false"})
     parts = build_components(cfg)
     try:
@@ -243,7 +249,7 @@ def test_balance_batch_false_splits_every_dp_call_into_contiguous_rows(ray_sessi
         PPOTrainer(cfg, parts).fit(1)
     finally:
         parts.close()
-    assert [c[0] for c in calls].count("call_rows") >= 3 and [c[0] for c in calls].count("update") == 2, calls
+    assert methods.count("update") == 2 and len(calls) == len(methods) >= 5, (methods, calls)
     for where, lengths, dp, balance, shards in calls:
         assert balance is False and dp == 2, (where, balance)
         assert shards == [list(range(len(lengths) // 2)), list(range(len(lengths) // 2, len(lengths)))], (where, shards)
@@ -252,9 +258,10 @@ def test_balance_batch_false_splits_every_dp_call_into_contiguous_rows(ray_sessi
 
 
 def test_a_layout_the_cluster_cannot_host_is_refused_before_anything_starts(capsys):
+    from megatron_ppo.errors import UsageError
     from megatron_ppo.trainer.entry import main
 
-    with pytest.raises(SystemExit, match=re.escape("critic TP=1 x PP=1 x DP=4 = 4 ranks but the cluster offers 2 "
+    with pytest.raises(UsageError, match=re.escape("critic TP=1 x PP=1 x DP=4 = 4 ranks but the cluster offers 2 "
                                                    "CPU slots (cluster.nnodes x cluster.n_gpus_per_node = 1 x 2)")):
         main(["cluster.critic.data_parallel_size=4", "critic.ppo_micro_batch_size_per_gpu=1"])
 

@@ -21,7 +21,6 @@ from megatron_ppo.convert.pipeline import hf_to_mcore, mcore_to_hf
 from megatron_ppo.data.batch import RolloutBatch
 from megatron_ppo.testing.conversion import compare_hf_checkpoints
 from megatron_ppo.testing.tiny_hf import REWARD_KINDS, TINY_VOCAB, make_tiny_hf
-from megatron_ppo.workers.payload import to_payload
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer_ppo import _overrides, data_dir  # noqa: E402,F401  (helpers and fixture reused)
@@ -101,7 +100,7 @@ def test_reward_model_worker_scores_equal_transformers(kind, micro, reward_model
     batch = rollout([5, 9, 3, 7, 4], [6, 2, 4, 0, 1])
     group = LocalWorkerGroup("reward", WORKER, {"cfg": cfg, "vocab_size": TINY_VOCAB})
     try:
-        got = group.call_dp("compute_scores", [to_payload(batch)])[0]["scores"]
+        got = group.call_dp("compute_scores", [batch.select(keys=(), meta=False)])[0]["scores"]
     finally:
         group.shutdown()
         disable_cpu_platform()
@@ -206,7 +205,7 @@ def test_reward_model_worker_on_ray_tp2_and_dp2_equals_transformers(reward_model
     from megatron_ppo.distributed import (ClusterSlots, RankLayout, RankResources, RayWorkerGroup, connect_or_start,
                                           create_placement, plan_placement, remove_placement)
 
-    from megatron_ppo.trainer.hf_import import convert_for_roles
+    from megatron_ppo.convert.hf_import import convert_for_roles
 
     hf_dir = reward_models["qwen2_rm"]
     cfg = rm_config(hf_dir, tmp_path)
@@ -222,7 +221,7 @@ def test_reward_model_worker_on_ray_tp2_and_dp2_equals_transformers(reward_model
             group = RayWorkerGroup("reward", layout, plan.roles[name], WORKER, {"cfg": cfg, "vocab_size": TINY_VOCAB},
                                    collective_timeout_s=60)
             try:
-                got = group.call_rows("compute_scores", to_payload(batch), lengths)["scores"]
+                got = group.call_rows("compute_scores", batch.select(keys=(), meta=False), lengths)["scores"]
             finally:
                 group.shutdown()
             assert [abs(float(g) - w) <= TOL for g, w in zip(got, want)] == [True] * batch.size, (name, got, want)

@@ -1,5 +1,5 @@
-"""rollout.prefill / rollout.drop_finished / rollout.use_torch_compile reach the actor's generation through the
-driver (PPOTrainer.sampling_params -> ActorWorker.generate -> models.generation.generate): the modes really run
+"""rollout.megatron.prefill / drop_finished / use_torch_compile (the Megatron engine's own section) reach the actor's
+generation (rollout.megatron.build_engine -> ActorWorker.generate -> rollout.generation.generate): the modes really run
 (forward counts differ as each mode's docstring says) and give the same greedy tokens; bad values are refused by
 key name."""
 from __future__ import annotations
@@ -17,26 +17,32 @@ from test_trainer_ppo import _overrides, data_dir  # noqa: E402,F401  (helpers a
 
 
 def _rollout_with(cfg, parts, prompts):
-    """(responses, response_lengths, forward batch shapes of the actor, the SamplingParams generation received)."""
-    from megatron_ppo.trainer.ppo import PPOTrainer
-    from megatron_ppo.workers import megatron_worker
+    """(responses, response_lengths, forward batch shapes of the actor, the DecodeOptions generation received)."""
+    from megatron_ppo.rollout import megatron as megatron_engine
+    from megatron_ppo.rollout.source import OnlineSource, sampling_params
 
     from megatron_ppo.testing.forwards import record_forward_shapes
 
     seen = []
-    real = megatron_worker.generate
+    real = megatron_engine.generate
 
-    def recording_generate(model, prompt_ids, params, **kw):  # records, then runs the real generation
-        seen.append(params)
-        return real(model, prompt_ids, params, **kw)
+    def recording_generate(model, prompt_ids, params, options, **kw):  # records, then runs the real generation
+        seen.append(options)
+        return real(model, prompt_ids, params, options, **kw)
 
     model = parts.actor.worker.model
     shapes, handle = record_forward_shapes(model)
-    megatron_worker.generate = recording_generate
+    megatron_engine.generate = recording_generate
+    engine = parts.actor.worker.engine
+    parts.actor.worker.engine = megatron_engine.build_engine(parts.actor.worker, cfg)  # this config's engine
     try:
-        batch = PPOTrainer(cfg, parts).rollout(prompts)
+        source = OnlineSource(None, parts.actor, sampling_params(cfg.rollout, cfg.data.max_response_length,
+                                                                 parts.eos_token_ids, parts.tokenizer.pad_token_id),
+                              cfg.rollout.n)
+        batch = source.generate(prompts, step=1)
     finally:
-        megatron_worker.generate = real
+        megatron_engine.generate = real
+        parts.actor.worker.engine = engine
         handle.remove()
     return batch.responses, batch.response_lengths, shapes, seen[0]
 
@@ -51,7 +57,7 @@ def test_prefill_drop_finished_and_compile_keys_reach_generation(data_dir, tmp_p
     parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
     try:
         parts = build_components(cfg)
-        prompts = parts.train_dataset.collate(parts.sampler.next_batch())
+        prompts = parts.source.dataset.collate(parts.sampler.next_batch())
         # prompts of different lengths (the tiny set's are all equal): drop leading tokens of some rows, as left
         # padding (attention_mask 0) of the collated batch
         for row, cut in ((1, 5), (2, 12)):
@@ -59,9 +65,9 @@ def test_prefill_drop_finished_and_compile_keys_reach_generation(data_dir, tmp_p
         lengths = prompts["attention_mask"].sum(1)
         assert int(lengths.max()) - int(lengths.min()) >= 12, lengths
         runs = {}
-        for name, extra in {"ragged": ["rollout.prefill=ragged"],
-                            "aligned": ["rollout.prefill=aligned", "rollout.drop_finished=false"],
-                            "compiled": ["rollout.use_torch_compile=true"]}.items():
+        for name, extra in {"ragged": ["rollout.megatron.prefill=ragged"],
+                            "aligned": ["rollout.megatron.prefill=aligned", "rollout.megatron.drop_finished=false"],
+                            "compiled": ["rollout.megatron.use_torch_compile=true"]}.items():
             runs[name] = _rollout_with(load_config("tiny_cpu", base + extra), parts, prompts)
         parts.tracker.close()
     finally:
@@ -80,9 +86,11 @@ def test_prefill_drop_finished_and_compile_keys_reach_generation(data_dir, tmp_p
 
 
 @pytest.mark.parametrize("override, message", [
-    ("rollout.prefill=left", "rollout.prefill"),
-    ("rollout.drop_finished=maybe", "rollout.drop_finished"),
-    ("rollout.use_torch_compile=2", "rollout.use_torch_compile"),
+    ("rollout.megatron.prefill=left", "rollout.megatron.prefill"),
+    ("rollout.megatron.drop_finished=maybe", "rollout.megatron.drop_finished"),
+    ("rollout.megatron.use_torch_compile=2", "rollout.megatron.use_torch_compile"),
+    ("rollout.prefill=ragged", "'prefill' exists as 'rollout.megatron.prefill'"),  # the key before issue 24
+    ("rollout.name=vllm", "rollout.name"),
 ])
 def test_bad_generation_keys_are_refused_by_name(override, message):
     from megatron_ppo.config import ConfigError

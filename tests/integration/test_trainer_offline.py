@@ -72,7 +72,7 @@ def _phases(cfg, until_advantages=True):
             trainer = PPOTrainer(cfg, parts)
             trainer.step = 1
             metrics: dict = {}
-            batch = trainer.rollout(parts.train_dataset.collate(list(range(len(parts.train_dataset)))))
+            batch = trainer.rollout(list(range(len(parts.source))))
             trainer.score(batch, metrics)
             trainer.evaluate(batch, metrics)
             trainer.compute_advantages(batch, metrics)
@@ -175,7 +175,7 @@ def _write(tmp_path, name, response_ids, logp, prompt_ids=(1, 2, 3), metadata=No
 def test_bad_trajectory_files_are_refused_naming_the_row(tokenizer, tmp_path, response_ids, logp, prompt_ids,
                                                          metadata, message):
     from megatron_ppo.data.trajectory import TrajectoryError
-    from megatron_ppo.trainer.offline import OfflineTrajectories
+    from megatron_ppo.rollout.offline import OfflineTrajectories
 
     path = _write(tmp_path, "bad.parquet", response_ids, logp, prompt_ids, metadata)
     with pytest.raises(TrajectoryError) as err:
@@ -185,14 +185,14 @@ def test_bad_trajectory_files_are_refused_naming_the_row(tokenizer, tmp_path, re
 
 def test_good_file_with_the_writers_tokenizer_is_accepted(tokenizer, tmp_path):
     from megatron_ppo.data.trajectory import TrajectoryWriter
-    from megatron_ppo.trainer.offline import OfflineTrajectories, rollout_batch
+    from megatron_ppo.rollout.offline import OfflineTrajectories, rollout_batch
 
     writer = TrajectoryWriter(tmp_path / "dump", policy_name="p", temperature=1.0, tokenizer=tokenizer)
     path = writer.append(3, {"data_source": ["openai/gsm8k"], "prompt": [[{"role": "user", "content": "hi"}]],
                              "prompt_ids": [[1, 2]], "response_ids": [[7, 8, 9]],
                              "rollout_log_probs": [[-0.5, -0.25, -1.0]], "reward": [None]})
     data = OfflineTrajectories([path], tokenizer, len(tokenizer), 64, 8)
-    batch = rollout_batch(data.collate([0]), step=1)
+    batch = rollout_batch(data.rows([0]), data.pad_token_id, step=1)
     assert batch.responses.tolist() == [[7, 8, 9]] and batch.meta["stored_reward"] == [None]
     assert batch.tensors["rollout_log_probs"].tolist() == [[-0.5, -0.25, -1.0]]
     assert data.dataset[0]["source"] == f"{path}: row 0"

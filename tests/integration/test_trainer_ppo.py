@@ -139,19 +139,21 @@ def test_target_kl_guard_skips_the_update_after_a_large_step(data_dir, tmp_path)
     ("trainer.log_val_generations=4", "trainer.log_val_generations > 0"),
 ])
 def test_train_refuses_what_it_would_otherwise_ignore(override, name):
+    from megatron_ppo.errors import UsageError
     from megatron_ppo.trainer.entry import main
 
-    with pytest.raises(SystemExit, match=re.escape(repr(name))):
+    with pytest.raises(UsageError, match=re.escape(repr(name))):
         main(override.split())
 
 
 def test_train_refuses_cluster_device_cuda_without_cuda(monkeypatch):
     """Checked where training starts (a config for a GPU cluster still loads on a CPU machine)."""
+    from megatron_ppo.errors import UsageError
     from megatron_ppo.trainer.entry import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine, as a CPU-only one
     assert load_config("tiny_cpu", ["cluster.device=cuda"]).cluster.device == "cuda"
-    with pytest.raises(SystemExit, match=re.escape("cluster.device=cuda, but torch.cuda.is_available() is false")):
+    with pytest.raises(UsageError, match=re.escape("cluster.device=cuda, but torch.cuda.is_available() is false")):
         main(["cluster.device=cuda"])
 
 
@@ -245,7 +247,7 @@ def test_grpo_step_groups_the_n_responses_of_each_prompt(data_dir, tmp_path):
         assert parts.critic is None
         trainer = PPOTrainer(cfg, parts)
         trainer.step = 1
-        batch = trainer.rollout(parts.train_dataset.collate(parts.sampler.next_batch()))
+        batch = trainer.rollout(parts.sampler.next_batch())
         metrics: dict = {}
         trainer.score(batch, metrics)
         trainer.evaluate(batch, metrics)

@@ -86,7 +86,8 @@ def test_onednn_worker_matches_torch_and_really_routes(megatron_single, routed):
 
 
 def test_rollout_prefill_follows_the_role_choice(megatron_single, routed):
-    from megatron_ppo.models.generation import SamplingParams
+    from megatron_ppo.rollout.generation import SamplingParams
+    from megatron_ppo.rollout.megatron import MegatronEngine
 
     workers = _workers()
     g = torch.Generator().manual_seed(5)
@@ -95,7 +96,7 @@ def test_rollout_prefill_follows_the_role_choice(megatron_single, routed):
     results = {}
     for gemm, worker in workers.items():
         routed.clear()
-        results[gemm] = worker.generate(prompts, params)
+        results[gemm] = MegatronEngine.for_worker(worker).generate(prompts, params)
         assert (len(routed) > 0) == (gemm == "onednn"), (gemm, routed)
     assert torch.equal(results["onednn"].responses, results["torch"].responses)
     torch.testing.assert_close(results["onednn"].log_probs, results["torch"].log_probs, rtol=0, atol=1e-5)
@@ -107,7 +108,8 @@ def test_rollout_prefill_follows_auto(megatron_single, routed, hidden, routed_ex
     (nothing reaches oneDNN's mm: the decode step's prepacked weights do not go through it); from 512 up the prefill
     is routed. The worker's own onednn decision is what generate follows, not SamplingParams' default."""
     from megatron_ppo.models.arch import tiny_arch
-    from megatron_ppo.models.generation import SamplingParams
+    from megatron_ppo.rollout.generation import SamplingParams
+    from megatron_ppo.rollout.megatron import MegatronEngine
     from megatron_ppo.workers.megatron_worker import MegatronWorker
 
     arch = tiny_arch(hidden_size=hidden, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=2 * hidden,
@@ -116,7 +118,7 @@ def test_rollout_prefill_follows_auto(megatron_single, routed, hidden, routed_ex
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 512, (n,), generator=g) for n in (11, 6, 8)]
     routed.clear()
-    worker.generate(prompts, SamplingParams(max_response_length=4, greedy=True))
+    MegatronEngine.for_worker(worker).generate(prompts, SamplingParams(max_response_length=4, greedy=True))
     assert (len(routed) > 0) is routed_expected, routed
 
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ppo.data.batch import (RolloutBatch, gather_response, micro_batches_by_tokens, pack_rows,
-                                     packed_num_tokens, split_rows)
+                                     packed_num_tokens, chunk_rows)
 from megatron_ppo.models.forward import packed_seq_params
 from megatron_ppo.models.logprobs import next_token_targets
 
@@ -47,9 +47,9 @@ def test_gather_response_reads_the_packed_row():
 def test_num_tokens_and_split_rows():
     batch = _batch()
     assert batch.num_tokens([0, 1, 2]) == (3 + 2) + (1 + 4) + (2 + 1)
-    assert split_rows([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3], [4]]
+    assert chunk_rows([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3], [4]]
     with pytest.raises(ValueError, match="micro-batch size"):
-        split_rows([0], 0)
+        chunk_rows([0], 0)
     with pytest.raises(ValueError, match="no rows"):
         pack_rows(batch, [])
 

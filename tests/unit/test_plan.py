@@ -91,7 +91,7 @@ def test_megatron_model_has_the_planned_parameters(megatron_single):
     from megatron_ppo.models.gpt import build_gpt_model
 
     for arch in (tiny_arch(), tiny_arch(tie_word_embeddings=True), tiny_arch(add_qkv_bias=True, vocab_size=500)):
-        for role, build_role in (("actor", "actor"), ("critic", "critic"), ("ref", "reference")):
+        for role, build_role in (("actor", "actor"), ("critic", "critic"), ("ref", "ref")):
             model = build_gpt_model(arch, role=build_role)
             assert sum(p.numel() for p in model.parameters()) == stage_params(arch, role).total, (arch, role)
 

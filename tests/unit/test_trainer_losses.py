@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from megatron_ppo.config import ActorConfig, CriticConfig
-from megatron_ppo.data.batch import RolloutBatch, pack_rows, split_rows
+from megatron_ppo.data.batch import RolloutBatch, pack_rows, chunk_rows
 # The one place that names where the trainer's losses live (they move into the role workers later).
-from megatron_ppo.trainer.losses import actor_loss_fn, critic_loss_fn
+from megatron_ppo.workers.losses import actor_loss_fn, critic_loss_fn
 
 VOCAB, PADDED = 7, 8  # one padded vocab column: it must get no gradient
 PROMPTS = (2, 3, 1, 4)
@@ -205,7 +205,7 @@ def test_actor_loss_every_aggregation_and_micro_batch_split_gives_the_same_gradi
     expected, _ = _hand_actor_loss(logits, batch, rows, entropy_coeff=0.05, kl_coef=0.2, kl_type="k3+", agg=agg)
     want = _grads(expected, logits)
     for size in (4, 2, 1):
-        loss, _ = _trainer_actor_loss(logits, batch, split_rows(rows, size), cfg, tokens, len(rows))
+        loss, _ = _trainer_actor_loss(logits, batch, chunk_rows(rows, size), cfg, tokens, len(rows))
         torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12, msg=f"{agg}, micro size {size}")
         for got, ref in zip(_grads(loss, logits), want):
             torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12, msg=f"{agg}, micro size {size}")
@@ -255,7 +255,7 @@ def test_critic_loss_matches_hand_computation_for_every_split(agg):
                              mini_batch_tokens=int(batch.loss_mask.sum()), mini_batch_seqs=len(rows))
     for size in (4, 2, 1):
         total = 0
-        for micro_rows in split_rows(rows, size):
+        for micro_rows in chunk_rows(rows, size):
             loss, metrics = loss_fn(_packed_logits(values, micro_rows), pack_rows(batch, micro_rows,
                                                                                    ("values", "returns")))
             total = total + loss

@@ -17,8 +17,8 @@ from omegaconf import OmegaConf  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 
 from megatron_ppo.config import RolloutCorrectionConfig  # noqa: E402
-from megatron_ppo.data.batch import pack_rows, split_rows  # noqa: E402
-from megatron_ppo.trainer.losses import actor_loss_fn  # noqa: E402
+from megatron_ppo.data.batch import pack_rows, chunk_rows  # noqa: E402
+from megatron_ppo.workers.losses import actor_loss_fn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer_losses import (CLIP_C, CLIP_HIGH, CLIP_LOW, TEMPERATURE, VOCAB, _actor_cfg, _batch,  # noqa: E402
@@ -85,7 +85,7 @@ def test_bypass_actor_loss_matches_verl_and_every_micro_batch_split(name, agg):
     expected, verl_metrics = _verl_loss(logits, batch, rows, rc, cfg, tokens, seqs)
     want = torch.autograd.grad(expected, logits)
     for size in (4, 2, 1):
-        loss, metrics = _ours(logits, batch, split_rows(rows, size), cfg, rc, tokens, seqs)
+        loss, metrics = _ours(logits, batch, chunk_rows(rows, size), cfg, rc, tokens, seqs)
         torch.testing.assert_close(loss, expected, rtol=1e-9, atol=1e-12, msg=f"{name} {agg} micro size {size}")
         for got, ref in zip(torch.autograd.grad(loss, logits), want):
             torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12, msg=f"{name} {agg} micro size {size}")

@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_ppo.config import load_config
+from megatron_ppo.errors import UsageError
 from megatron_ppo.trainer.entry import main
 from megatron_ppo.trainer.tracking import LogDirInUseError, Tracker, claim_log_dir
 
@@ -36,7 +37,7 @@ def _first_run(tmp_path, *extra):
 def test_a_second_run_into_the_same_log_dir_is_refused_before_anything_is_built(tmp_path):
     _first_run(tmp_path)
     start = time.perf_counter()
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(UsageError) as exit_info:  # exit 2 through cli.main
         main(_overrides(tmp_path))
     assert time.perf_counter() - start < 10
     message = str(exit_info.value)
@@ -51,7 +52,7 @@ def test_a_second_run_into_the_same_log_dir_is_refused_before_anything_is_built(
 def test_the_refusal_suggests_a_new_experiment_name_when_log_dir_uses_it(tmp_path):
     log_dir = str(tmp_path / "logs" / "{experiment_name}")
     _first_run(tmp_path, f"trainer.log_dir={log_dir}")
-    with pytest.raises(SystemExit, match=r"choose a new trainer\.experiment_name"):
+    with pytest.raises(UsageError, match=r"choose a new trainer\.experiment_name"):
         main(_overrides(tmp_path, f"trainer.log_dir={log_dir}"))
 
 

@@ -1,4 +1,5 @@
-"""Offline PPO's data source: trajectory parquet rows sampled like prompts, turned into rollout batches.
+"""Offline PPO's trajectories: parquet rows sampled like prompts, checked against the actor, turned into rollout
+batches (rollout/source.OfflineSource).
 
 No generation: the stored responses and their `rollout_log_probs` are the behaviour policy; the driver recomputes
 the old log-probs with the current actor and rollout correction (algorithm.rollout_correction) weights the policy
@@ -12,9 +13,6 @@ import torch
 
 from megatron_ppo.data.batch import RolloutBatch
 from megatron_ppo.data.trajectory import TrajectoryDataset, TrajectoryError, tokenizer_fingerprint
-
-OFFLINE_KEY = "trajectories"  # the collated batch's key; PPOTrainer.rollout replays a batch that has it
-
 
 def check_rows(items: list[dict], vocab_size: int, fingerprint: str | None, max_prompt_length: int,
                max_response_length: int) -> None:
@@ -38,8 +36,7 @@ def check_rows(items: list[dict], vocab_size: int, fingerprint: str | None, max_
 
 
 class OfflineTrajectories:
-    """The offline train dataset: `len()` rows and `collate(rows)`, like PromptDataset, so the sampler and the
-    driver loop are the same for both modes."""
+    """The offline train rows: `len()` rows and `rows(indices)`, so the sampler is the same for both modes."""
 
     def __init__(self, files, tokenizer, vocab_size: int, max_prompt_length: int, max_response_length: int):
         self.dataset = TrajectoryDataset(files, tokenizer, empty_response_policy="error")
@@ -50,16 +47,15 @@ class OfflineTrajectories:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def collate(self, rows) -> dict:
-        return {OFFLINE_KEY: [self.dataset[i] for i in rows], "pad_token_id": self.pad_token_id}
+    def rows(self, indices) -> list[dict]:
+        return [self.dataset[i] for i in indices]
 
 
-def rollout_batch(collated: dict, step: int) -> RolloutBatch:
+def rollout_batch(items: list[dict], pad_token_id: int, step: int) -> RolloutBatch:
     """Stored trajectories as a RolloutBatch: responses right-padded, rollout_log_probs from the file,
     `stored_reward` (per row, None = score it) in meta."""
-    items = collated[OFFLINE_KEY]
     width = max(len(it["response_ids"]) for it in items)
-    responses = torch.full((len(items), width), collated["pad_token_id"], dtype=torch.long)
+    responses = torch.full((len(items), width), pad_token_id, dtype=torch.long)
     logp = torch.zeros(len(items), width)
     mask = torch.zeros(len(items), width)
     for i, it in enumerate(items):

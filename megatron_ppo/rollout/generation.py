@@ -7,7 +7,7 @@ narrow — token ids in, token ids and the rollout log-probs of the sampled toke
 megatron's model already provides the KV cache (``StaticInferenceContext``). So the loop is ours, the
 attention/KV-cache/RoPE code is megatron's.
 
-Two ways to fill the cache with prompts of different lengths (``SamplingParams.prefill``, docs/models.md):
+Two ways to fill the cache with prompts of different lengths (``DecodeOptions.prefill``, docs/models.md):
 
 * ``"ragged"`` (default where the core attention takes a mask: our ``SDPACoreAttention``): prompts are left-padded
   to the longest, the whole batch is prefilled in ONE forward with a causal + key-padding mask, then every row
@@ -35,7 +35,7 @@ run on oneDNN-prepacked weights (``packed_linears``: 2.5x MKL's sgemm at 16 rows
 the prefill forwards' GEMMs on oneDNN too (``onednn_prefill``, ``ops.cpu_matmul``; a worker passes its own
 ``cpu_gemm`` decision, so ``auto`` keeps a small model's prefill on torch's GEMMs).
 
-``compile_decode`` (``rollout.use_torch_compile``) runs the one-token decode forwards through ``torch.compile``
+``compile_decode`` (``rollout.megatron.use_torch_compile``) runs the one-token decode forwards through ``torch.compile``
 (dynamic shapes: the batch shrinks and the cache grows every step; prefill stays eager). Compiled code is cached per
 process (``_compiled_forward``), so only the first rollout pays the compile time. Measured on CPU: docs/bench/peer.md.
 
@@ -53,54 +53,28 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from megatron_ppo.models.decode_step import DecodeStep, unsupported_reason
+from megatron_ppo.rollout.decode_step import DecodeStep, unsupported_reason
 from megatron_ppo.models.unwrap import unwrap_model
 from megatron_ppo.ops.cpu_matmul import onednn_matmul
+from megatron_ppo.rollout.base import GenerationOutput, SamplingParams
 
 PREFILL_MODES = ("auto", "ragged", "aligned")
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    max_response_length: int
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-    greedy: bool = False
-    eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
-    seed: int = 0
+class DecodeOptions:
+    """How this engine runs the decode loop (rollout.megatron.*): never changes which tokens come out."""
     prefill: str = "auto"  # "auto" | "ragged" | "aligned" (module docstring)
     drop_finished: bool = True  # finished rows leave the decode batch (results unchanged)
     compile_decode: bool = False  # torch.compile the one-token decode forward (module docstring)
-    lean_decode: bool = True  # one-token steps through models.decode_step where the model allows it
+    lean_decode: bool = True  # one-token steps through rollout.decode_step where the model allows it
     packed_linears: bool = True  # ... with oneDNN-prepacked GEMM weights where possible (CPU fp32; decode_step)
     onednn_prefill: bool = True  # prefill (and any non-lean forward) GEMMs on oneDNN (CPU fp32; ops.cpu_matmul);
-    # a worker sets it to its own cpu_gemm decision (MegatronWorker.onednn)
+    # the engine sets it to its worker's own cpu_gemm decision (MegatronWorker.onednn)
 
     def __post_init__(self):
-        if self.max_response_length < 1:
-            raise ValueError(f"SamplingParams.max_response_length must be >= 1, got {self.max_response_length}")
-        if self.temperature <= 0:
-            raise ValueError(f"SamplingParams.temperature must be > 0, got {self.temperature} (use greedy=True)")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.prefill not in PREFILL_MODES:
-            raise ValueError(f"SamplingParams.prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
-
-
-@dataclass
-class GenerationOutput:
-    responses: torch.Tensor  # [B, R] long, pad_token_id after the end
-    response_lengths: torch.Tensor  # [B] long, eos included
-    log_probs: torch.Tensor  # [B, R] float32, 0 after the end
-    finished: torch.Tensor  # [B] bool: ended with an eos token (else: hit max_response_length)
-
-    def response_mask(self) -> torch.Tensor:
-        r = self.responses.shape[1]
-        return torch.arange(r).unsqueeze(0) < self.response_lengths.unsqueeze(1)
+            raise ValueError(f"DecodeOptions.prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -278,7 +252,7 @@ def resolve_prefill(model, mode: str) -> str:
     if mode == "auto":
         return "ragged" if takes_masks else "aligned"
     if mode == "ragged" and not takes_masks:
-        raise ValueError(f"SamplingParams.prefill='ragged' needs SDPACoreAttention (the local spec); this model's core "
+        raise ValueError(f"DecodeOptions.prefill='ragged' (rollout.megatron.prefill) needs SDPACoreAttention (the local spec); this model's core "
                          f"attention is {sorted(k.__name__ for k in kinds)}: use prefill='aligned' or 'auto'")
     return mode
 
@@ -313,9 +287,10 @@ class _Sampler:
 
 
 @torch.no_grad()
-def generate(model, prompts: list[torch.Tensor], params: SamplingParams, *, use_kv_cache: bool = True
-             ) -> GenerationOutput:
-    """Generate a response for each prompt (1-D token tensors of any lengths) with this rank's model stage."""
+def generate(model, prompts: list[torch.Tensor], params: SamplingParams, options: DecodeOptions = DecodeOptions(), *,
+             use_kv_cache: bool = True) -> GenerationOutput:
+    """Generate a response for each prompt (1-D token tensors of any lengths) with this rank's model stage:
+    ``params`` say what to sample, ``options`` how the loop runs."""
     if not prompts:
         raise ValueError("generate: no prompts")
     for i, p in enumerate(prompts):
@@ -326,13 +301,13 @@ def generate(model, prompts: list[torch.Tensor], params: SamplingParams, *, use_
     for i, p in enumerate(prompts):
         if int(p.max()) >= vocab or int(p.min()) < 0:
             raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab})")
-    mode = resolve_prefill(model, params.prefill)
+    mode = resolve_prefill(model, options.prefill)
     was_training = core.training
     core.eval()
     try:
         with _no_sequence_parallel(model):
             loop = _generate_ragged if mode == "ragged" else _generate_aligned
-            return loop(model, prompts, params, vocab, use_kv_cache)
+            return loop(model, prompts, params, options, vocab, use_kv_cache)
     finally:
         core.train(was_training)
 
@@ -391,7 +366,7 @@ def _forward_cost_tokens(device) -> int:
     return 32 if torch.device(device).type == "cpu" else 4096
 
 
-def _generate_ragged(model, prompts, params, vocab, use_kv_cache):
+def _generate_ragged(model, prompts, params, options, vocab, use_kv_cache):
     """Left-padded batch, one prefill forward, then one token per step for every unfinished row."""
     device = next(unwrap_model(model).parameters()).device
     b, r = len(prompts), params.max_response_length
@@ -403,8 +378,8 @@ def _generate_ragged(model, prompts, params, vocab, use_kv_cache):
         tokens[i, width - p.numel():width] = p.to(device)
     key_pad = torch.arange(total, device=device).unsqueeze(0) < (width - lengths).unsqueeze(1)  # [B, total]
     res = _Results(b, r, params, device)
-    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode, params.lean_decode,
-                          params.packed_linears, params.onednn_prefill)
+    runner = _StageRunner(model, b, total, use_kv_cache, options.compile_decode, options.lean_decode,
+                          options.packed_linears, options.onednn_prefill)
     sampler = _Sampler(params, vocab, b, device)
     # original index of each row of the decode batch: longest prompts first, so length groups are contiguous
     rows = torch.argsort(lengths, descending=True, stable=True)
@@ -431,7 +406,7 @@ def _generate_ragged(model, prompts, params, vocab, use_kv_cache):
         n_alive = int(alive.sum())  # the one host sync per step
         if n_alive == 0:
             break
-        if params.drop_finished and n_alive < rows.numel():
+        if options.drop_finished and n_alive < rows.numel():
             with record_function("generate/drop_finished"):
                 keep = alive.nonzero().squeeze(-1)
                 rows, alive = rows[keep], alive[keep]
@@ -462,7 +437,7 @@ def _prefill_by_length(runner, tokens, key_pad, lengths, rows, width):
     return torch.cat(pieces) if runner.last else None
 
 
-def _generate_aligned(model, prompts, params, vocab, use_kv_cache):
+def _generate_aligned(model, prompts, params, options, vocab, use_kv_cache):
     """Prefill to the shortest prompt, then one position per step; rows inside their prompt take the prompt token."""
     device = next(unwrap_model(model).parameters()).device
     b, r = len(prompts), params.max_response_length
@@ -472,8 +447,8 @@ def _generate_aligned(model, prompts, params, vocab, use_kv_cache):
     for i, p in enumerate(prompts):
         tokens[i, :p.numel()] = p.to(device)
     res = _Results(b, r, params, device)
-    runner = _StageRunner(model, b, total, use_kv_cache, params.compile_decode, params.lean_decode,
-                          params.packed_linears, params.onednn_prefill)
+    runner = _StageRunner(model, b, total, use_kv_cache, options.compile_decode, options.lean_decode,
+                          options.packed_linears, options.onednn_prefill)
     sampler = _Sampler(params, vocab, b, device)
     rows = torch.arange(b, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)

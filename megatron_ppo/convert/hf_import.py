@@ -51,7 +51,7 @@ def converted_checkpoint(hf_dir: str, cache_root: str) -> Path:
 
         if dist.is_initialized() and dist.get_world_size() > 1:
             raise RuntimeError(f"model.path={hf_dir}: no converted checkpoint in {cache_root}; the driver converts "
-                               "HF models before the ranks start (trainer.hf_import.convert_for_roles)")
+                               "HF models before the ranks start (convert.hf_import.convert_for_roles)")
         out.parent.mkdir(parents=True, exist_ok=True)
         hf_to_mcore(str(src), str(out), tp=1, pp=1, quiet=True)
         log.info("converted %s -> %s", src, out)
@@ -59,25 +59,27 @@ def converted_checkpoint(hf_dir: str, cache_root: str) -> Path:
 
 
 def load_hf_weights(model, role: str, hf_dir: str, cache_root: str) -> None:
-    """Load HF weights into a built GPTModel stage of ``role`` (actor/reference: all; critic/reward: backbone)."""
+    """Load HF weights into a built GPTModel stage of ``role`` (an LM role: all; a value role from a causal LM: the
+    backbone; from a reward model: all, its score head becoming the value head)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from megatron_ppo.convert.mapping import arch_from_hf_config, has_score_head
     from megatron_ppo.convert.pipeline import check_mcore_version
-    from megatron_ppo.models.gpt import VALUE_ROLES
+    from megatron_ppo import roles
 
+    spec = roles.spec(role)
     score = has_score_head(arch_from_hf_config(hf_dir))
-    if role == "reward" and not score:
-        raise ValueError(f"reward.reward_model.model.path={hf_dir} is a causal LM, not a reward model: its score "
+    if spec.value_model and not spec.trainable and not score:  # a frozen value model scores with its head as is
+        raise ValueError(f"{spec.model_key}.path={hf_dir} is a causal LM, not a reward model: its score "
                          "head would be random. Give an HF *ForSequenceClassification checkpoint with num_labels=1")
-    if role not in VALUE_ROLES and score:
-        raise ValueError(f"{'ref' if role == 'reference' else role}.model.path={hf_dir} is a reward model "
+    if not spec.value_model and score:
+        raise ValueError(f"{spec.model_key}.path={hf_dir} is a reward model "
                          "(*ForSequenceClassification): it has no LM head to generate or score tokens with")
     ckpt = converted_checkpoint(hf_dir, cache_root)
     check_mcore_version(str(ckpt))  # a cache converted by a newer megatron-core: refused naming both (issue 23)
     sharded = model.sharded_state_dict()
-    head = [k for k in sharded if k.startswith("output_layer.")] if role in VALUE_ROLES and not score else []
+    head = [k for k in sharded if k.startswith("output_layer.")] if spec.value_model and not score else []
     for key in head:
         del sharded[key]
     state = dist_checkpointing.load(sharded, str(ckpt), strict=StrictHandling.ASSUME_OK_UNEXPECTED if head

@@ -1,0 +1,75 @@
+"""Where a step's rollouts come from (rollout.mode): ``OnlineSource`` (the actor's rollout engine generates from
+prompts) or ``OfflineSource`` (stored trajectories replayed). Driver side: both answer ``len()`` (the rows the
+sampler draws from) and ``batch(rows, step) -> RolloutBatch``, so the loop does not branch on the mode.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from megatron_ppo.data.batch import RolloutBatch
+from megatron_ppo.rollout.base import SamplingParams
+from megatron_ppo.rollout.offline import OfflineTrajectories, rollout_batch
+
+META_KEYS = ("raw_prompt", "data_source", "reward_model", "extra_info", "index")
+
+
+class RolloutSource(Protocol):
+    kind: str  # "online" | "offline"
+
+    def __len__(self) -> int: ...
+
+    def batch(self, rows: list[int], step: int) -> RolloutBatch: ...
+
+
+def sampling_params(sampling, max_response_length: int, eos_token_ids, pad_token_id: int) -> SamplingParams:
+    """Algorithm-level sampling from a rollout (or rollout.val_kwargs) section: what to sample, never how. The seed
+    is derived by each replica from trainer.seed and the step (rollout.base.replica_seed)."""
+    return SamplingParams(max_response_length=max_response_length,
+                          temperature=sampling.temperature if sampling.do_sample else 1.0,
+                          top_k=max(sampling.top_k, 0), top_p=sampling.top_p, greedy=not sampling.do_sample,
+                          eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id)
+
+
+class OnlineSource:
+    """Prompts (a PromptDataset) answered by the actor group's rollout engine, ``n`` responses per prompt."""
+
+    kind = "online"
+
+    def __init__(self, dataset, actor, params: SamplingParams, n: int, balance: bool = True):
+        self.dataset, self.actor, self.params, self.n, self.balance = dataset, actor, params, n, balance
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batch(self, rows: list[int], step: int) -> RolloutBatch:
+        return self.generate(self.dataset.collate(rows), step)
+
+    def generate(self, prompts: dict, step: int) -> RolloutBatch:
+        """Responses to collated (left-padded) prompts; rollout log-probs come back with the tokens."""
+        rows = [i for i in range(len(prompts["raw_prompt"])) for _ in range(self.n)]
+        keep = prompts["attention_mask"].bool()  # prompts come left-padded; generation takes them unpadded
+        prompt_ids = [prompts["input_ids"][i][keep[i]] for i in rows]
+        out = self.actor.call_rows("generate", {"prompt_ids": prompt_ids}, [int(p.numel()) for p in prompt_ids],
+                                   self.params, step, balance=self.balance)
+        width = out["responses"].shape[1]
+        mask = (torch.arange(width) < out["response_lengths"].unsqueeze(1)).float()
+        meta = {key: [prompts[key][i] for i in rows] for key in META_KEYS}
+        meta["uid"] = [f"{step}-{i}" for i in rows]  # GRPO groups: the n responses to one prompt of this batch
+        return RolloutBatch(prompt_ids, out["responses"], mask, {"rollout_log_probs": out["log_probs"] * mask}, meta)
+
+
+class OfflineSource:
+    """Stored trajectories (rollout.trajectory_files) replayed: no generation."""
+
+    kind = "offline"
+
+    def __init__(self, trajectories: OfflineTrajectories):
+        self.trajectories = trajectories
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def batch(self, rows: list[int], step: int) -> RolloutBatch:
+        return rollout_batch(self.trajectories.rows(rows), self.trajectories.pad_token_id, step)
