@@ -290,6 +290,9 @@ def _rollout(cfg: PPOConfig, errs: _Errors) -> None:
     if r.mode == "offline":
         errs.check(bool(r.trajectory_files), "rollout.trajectory_files", "required when rollout.mode=offline "
                    "(one or more trajectory parquet files)")
+        # GRPO groups / n samples per prompt would silently be groups of one row
+        errs.check(r.n == 1, "rollout.n", f"must be 1 with rollout.mode=offline (each stored trajectory is one "
+                   f"response; and a GAE advantage estimator), got {r.n}")
     else:
         errs.check(not r.trajectory_files, "rollout.trajectory_files", "only read when rollout.mode=offline "
                    "(it is online); remove them or set rollout.mode=offline")
@@ -432,3 +435,21 @@ def _cluster(cfg: PPOConfig, errs: _Errors) -> None:
         errs.check(same, "cluster.ref", "the reference starts from the actor's random initialisation, which is "
                    "reproduced only at the same TP x PP: set cluster.ref.tensor_model_parallel_size / "
                    "pipeline_model_parallel_size equal to cluster.actor's, or give ref.model.path")
+
+
+def unsupported_settings(cfg) -> list[str]:
+    """Settings the driver would otherwise ignore silently: each is refused, by name."""
+    checks = {
+        # read nowhere else in the driver or the workers (tests/integration/test_config_keys_reach_code.py proves that
+        # every other key reaches the code it names)
+        "data.reward_fn_key (rewards are chosen by data_source)": cfg.data.reward_fn_key != "data_source",
+        "actor.optim.optimizer=sgd (Adam only)": cfg.actor.optim.optimizer != "adam",
+        "critic.optim.optimizer=sgd (Adam only)": cfg.critic.optim.optimizer != "adam",
+        "actor.entropy_from_logits_chunk_size (log-probs and entropy use models.logprobs.DEFAULT_CHUNK)":
+            cfg.actor.entropy_from_logits_chunk_size != 2048,
+        "critic.model.tokenizer_path / ref.model.tokenizer_path / reward.reward_model.model.tokenizer_path (all "
+        "roles use the actor's tokenizer)": any(m.tokenizer_path not in (None, cfg.actor.model.tokenizer_path)
+                                                for m in (cfg.critic.model, cfg.ref.model, cfg.reward.reward_model.model)),
+        "trainer.log_val_generations > 0": cfg.trainer.log_val_generations > 0,
+    }
+    return [name for name, asked in checks.items() if asked]

@@ -113,8 +113,8 @@ class ModelConfig:
     recompute_method: Optional[Literal["uniform", "block"]] = field(None, "required with recompute_granularity=full")
     recompute_num_layers: Optional[int] = field(None, "required with recompute_granularity=full")
     cpu_gemm: Literal["auto", "onednn", "torch"] = field(
-        "auto", "fp32 GEMMs of this role's passes on CPU: onednn (~2x MKL's sgemm on our AMD CPUs, "
-        "tools/bench_cpu_matmul.py; rounding-level differences), torch's default (MKL), or auto: onednn for models "
+        "auto", "fp32 GEMMs of this role's passes on CPU: onednn (faster than MKL's sgemm on AMD CPUs, "
+        "docs/bench/peer.md; rounding-level differences), torch's default (MKL), or auto: onednn for models "
         "of hidden size >= 512 (below, the routing's per-op Python call costs more than the GEMMs gain); "
         "no effect on GPU", None)
 

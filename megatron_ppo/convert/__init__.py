@@ -9,4 +9,5 @@ models.
   pipeline.py  hf_to_mcore / mcore_to_hf: the two directions, orchestrated
   verify.py    logits of the converted Megatron model against the HF model's
   cli.py       the command line
+  hf_import.py a run's roles started from an HF model: converted once in the driver, cached, loaded in the ranks
 """

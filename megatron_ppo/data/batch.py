@@ -62,10 +62,14 @@ class RolloutBatch:
         tensors (plus the loss mask once rejection wrote one); ``meta=False`` drops the per-row python values.
         ``select(keys=..., meta=False)`` is what crosses the driver -> rank boundary: token ids, masks and the
         tensors the call needs, split by row over DP (distributed/dispatch.select_rows)."""
-        rows = list(range(self.size)) if rows is None else list(rows)
-        index = torch.as_tensor(rows, dtype=torch.long)
         names = list(self.tensors) if keys is None else list(dict.fromkeys(
             tuple(keys) + (("loss_mask",) if "loss_mask" in self.tensors else ())))
+        if rows is None:  # every row: the same tensors, no copy
+            return RolloutBatch(list(self.prompt_ids), self.responses, self.response_mask,
+                                {key: self.tensors[key] for key in names},
+                                {key: list(values) for key, values in self.meta.items()} if meta else {})
+        rows = list(rows)
+        index = torch.as_tensor(rows, dtype=torch.long)
         return RolloutBatch([self.prompt_ids[i] for i in rows], self.responses[index], self.response_mask[index],
                             {key: self.tensors[key][index] for key in names},
                             {key: [values[i] for i in rows] for key, values in self.meta.items()} if meta else {})

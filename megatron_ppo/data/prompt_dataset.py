@@ -50,7 +50,7 @@ def chat_prompt_ids(tokenizer, conversations: Sequence[list[dict]]) -> list[list
 
 def encode_texts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Token ids without added special tokens; straight through the Rust tokenizer when there is one
-    (skipping the HF wrapper's per-row bookkeeping makes this ~1.5x faster)."""
+    (skipping the HF wrapper's per-row bookkeeping makes this faster; throughput: docs/bench/data.md)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=False)]

@@ -2,7 +2,8 @@
 
 ``connect_or_start(address)``: an explicit address (from the config) wins, then ``RAY_ADDRESS``; without either a
 local cluster starts in a per-run temp dir (so concurrent runs and test sessions never share sessions or sockets),
-without the dashboard (it is ~100 MB we do not use; pass include_dashboard=True for ``ray.util.state``).
+without the dashboard (its processes cost memory for nothing we use; pass include_dashboard=True for
+``ray.util.state``).
 Ray's log de-duplication is off by default: it folds lines that differ only in numbers ("rank 0" ... "rank 3")
 into one, which hides exactly the per-rank output a failing run needs.
 Ray's own start-up chatter is configured away (``ray_quiet_env`` and ``logging_level``, see there): a user should

@@ -10,7 +10,8 @@ split: one placement group per role, ``world size`` full bundles each; the roles
 
 A bundle's CPUs (``cluster.num_cpus_per_rank``) default to ``auto``: the node's CPUs over the ranks placed on it
 (``auto_cpus_per_rank``), so a rank's torch thread count is what it really has. A fixed 1 left a one-rank-per-role
-run on a 2-core machine at one thread (0.85x HF ``generate`` with two), and 63 of 64 cores idle on a big CPU node.
+run on a 2-core machine at one thread (slower than HF ``generate`` with two: docs/bench/peer.md), and 63 of 64
+cores idle on a big CPU node.
 
 ``plan_placement`` is pure (tests and the driver's pre-flight); ``create_placement`` asks Ray for the groups and
 fails with the arithmetic if Ray cannot reserve them within a timeout (instead of pending forever).

@@ -8,7 +8,7 @@ import path) is built INSIDE the actor after parallel init, so no Megatron state
 rank checks that parallel_state gives it the (tp, pp, dp) coordinates ``RankLayout`` promised.
 
 Fail fast: every call is submitted to all ranks and awaited with ``ray.wait(num_returns=1)``. A dead peer breaks
-its gloo peers' collectives within ~0.1 s and Ray reports the death itself within ms; a live peer missing from a
+its gloo peers' collectives at once and Ray reports the death itself promptly; a live peer missing from a
 collective would block the others until the collective timeout (``collective_timeout_s``, passed to
 torch.distributed and Megatron's groups as the backstop). So on the first error the group waits ``grace_s`` for the
 other ranks' errors (to name the root cause: a death before the gloo errors it caused), kills every rank (a gloo

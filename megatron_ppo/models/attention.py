@@ -228,7 +228,8 @@ class CachedRopeSelfAttention(SelfAttention):
     """megatron's ``SelfAttention`` that stores RoPE-rotated keys in the static KV cache.
 
     megatron keeps un-rotated keys in ``StaticInferenceContext`` and rotates the whole cached key ``[:end]`` in every
-    layer at every decode step (cos/sin/neg/cat/mul over the cache: ~12 % of a 16-row SmolLM2 decode step on CPU).
+    layer at every decode step (cos/sin/neg/cat/mul over the cache: a sizeable share of a small model's CPU decode
+    step; measured in docs/bench/peer.md, "What session 3 changed", item 1).
     Here each key is rotated once, at its own position, before it is written, and the query at its positions; the
     values are the same elementwise products as megatron's (the same function on the same inputs), so the logits are
     bit-identical. Training, dynamic contexts, flash-decode and MLA take megatron's path unchanged.

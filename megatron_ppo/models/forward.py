@@ -3,11 +3,11 @@
 A micro-batch is a dict with
   "input_ids":   LongTensor [B, S] (padded rows) or [1, T] (packed sequences, with "cu_seqlens"),
   "cu_seqlens":  optional int32 [n+1] boundaries of the packed sequences (THD layout; alignment padding is
-                 part of the sequence it follows, as in ``data.packing.PackLayout.cu_seqlens_padded``),
+                 part of the sequence it follows, as ``pack_sequences`` and ``data.batch.pack_rows`` pack it),
   "attention_mask": optional megatron mask (bool, True = masked) for padded rows; None = causal,
   "position_ids": optional (RoPE models ignore it: rotary positions restart per packed sequence anyway),
   "logit_positions": optional long [N], positions into the flattened input_ids (``data.batch.pack_rows`` sets
-                 the ones that predict response tokens): an actor/reference model then returns logits only there,
+                 the ones that predict response tokens): an actor/ref model then returns logits only there,
                  [1, N, V/TP] (``models.gpt``); value models ignore it,
 plus whatever the loss function reads (response masks, advantages, old log-probs, ...).
 """
@@ -52,7 +52,7 @@ def pack_sequences(sequences: list[torch.Tensor], align: int = 1, pad_id: int = 
 def model_forward(model, batch: dict):
     """Run ``model`` (this pipeline stage) on one micro-batch; returns the stage's output tensor.
 
-    Last stage: logits [B, S, V/TP] (actor/reference; [1, N, V/TP] at ``batch["logit_positions"]`` when given) or
+    Last stage: logits [B, S, V/TP] (actor/ref; [1, N, V/TP] at ``batch["logit_positions"]`` when given) or
     values [B, S, 1] (critic/reward); other stages: hidden.
     """
     from megatron.core import parallel_state

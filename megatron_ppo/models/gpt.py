@@ -1,12 +1,12 @@
-"""Model providers: a megatron-core GPTModel for the actor, reference, critic and reward roles.
+"""Model providers: a megatron-core GPTModel for the actor, ref, critic and reward roles (megatron_ppo/roles.py).
 
 * actor: the LM head (vocab-parallel logits).
-* reference: the actor architecture, frozen (``requires_grad=False``, eval mode).
+* ref: the actor architecture, frozen (``requires_grad=False``, eval mode).
 * critic: ``output_layer`` replaced by a scalar ``ValueHead`` -> one value per token.
 * reward: the critic's architecture; the score of a sequence is the value at its last token (``reward_scores``).
 
 Each call builds the current pipeline stage (pre/post process from megatron's parallel_state). The model is
-megatron's GPTModel plus one keyword, ``logit_positions`` (see ``_gpt_model_class``): the actor's and reference's
+megatron's GPTModel plus one keyword, ``logit_positions`` (see ``_gpt_model_class``): the actor's and ref's
 log-probs only read the positions that predict response tokens, so the LM head runs only there.
 """
 from __future__ import annotations
@@ -211,9 +211,9 @@ def build_gpt_model(
     """Build the GPTModel stage of ``role`` for this rank (needs ``megatron_ppo.parallel.initialize`` first, in
     this thread: it sets up the CPU platform layer on a CUDA-less torch; building a model never does).
 
-    Critic/reward: ``output_layer`` is a ``ValueHead`` ([b, s, 1] fp32 values) and embeddings are never tied.
-    Reference: frozen. The model carries ``.arch`` and ``.role``; actor/reference forwards take
-    ``logit_positions`` (``_gpt_model_class``).
+    A value role (roles.py: critic, reward): ``output_layer`` is a ``ValueHead`` ([b, s, 1] fp32 values) and
+    embeddings are never tied. A frozen role (ref, reward): no gradients, eval mode. The model carries ``.arch``
+    and ``.role``; an LM role's forward (actor, ref) takes ``logit_positions`` (``_gpt_model_class``).
     """
     from megatron.core import parallel_state
 

@@ -1,4 +1,4 @@
-"""Megatron DDP + optimizer around a model stage, and weight copies between stages (actor -> reference).
+"""Megatron DDP + optimizer around a model stage.
 
 Thin on purpose: megatron's DistributedDataParallel (grad buffers, DP reduce, optional distributed optimizer) and
 ``get_megatron_optimizer`` do the work; this module only wires the config hooks the pipeline schedules call

@@ -1,9 +1,9 @@
 """fp32 GEMMs on CPU through oneDNN instead of MKL's sgemm: ``with onednn_matmul(): ...``.
 
-Why: torch sends fp32 CPU matmuls to MKL (oneDNN only under reduced-precision modes, bf16/tf32). On the AMD EPYC
-CPUs of our CPU machines MKL's sgemm reaches 160-200 GFLOPS on a 135M model's shapes where oneDNN reaches 290-420
-(forward), 340-450 (input gradient) and 210-320 (weight gradient): ``tools/bench_cpu_matmul.py``,
-docs/bench/models.md.
+Why: torch sends fp32 CPU matmuls to MKL (oneDNN only under reduced-precision modes, bf16/tf32). On some CPUs (the
+AMD EPYC of our earlier CPU machines) MKL's sgemm runs a 135M model's shapes well below oneDNN's rate, in the
+forward, input-gradient and weight-gradient GEMMs alike; on an Intel Xeon the two are close. Measured by
+``tools/bench_cpu_matmul.py``: docs/bench/models.md (EPYC), docs/bench/peer.md (Xeon).
 
 Inside the context, the aten ``mm`` and ``addmm`` calls on plain fp32 CPU tensors (what ``torch.matmul`` of a batch
 by a 2-D weight and ``F.linear`` come down to) run on ``torch.ops.mkldnn._linear_pointwise``: megatron's linear layers

@@ -69,7 +69,7 @@ def measure_layouts(pool, arch_dict: dict = MEASURE_ARCH, layouts=LAYOUTS) -> li
     """Every layout on a 2-rank pool: one dict per (layout, rank)."""
     out = []
     # warm-up, discarded: the first build in a fresh rank process pays one-time allocations (library state, first
-    # collectives) that the RSS deltas would charge to the weights (seen: +17 MiB, 16% on the first layout)
+    # collectives) that the RSS deltas would charge to the weights (a visible error on the first layout otherwise)
     pool.run(measure_rank, arch_dict, *layouts[0])
     for tp, pp, dist in layouts:
         out += pool.run(measure_rank, arch_dict, tp, pp, dist)

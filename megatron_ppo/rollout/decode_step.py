@@ -1,20 +1,22 @@
 """A lean one-token decode forward over a megatron ``GPTModel`` stage: the same modules, without the scaffolding.
 
-A decode step at 16 rows spends about half its CPU time outside the matmuls, much of it in the Python of
-``GPTModel.forward`` -> ``TransformerBlock`` -> ``TransformerLayer`` -> ``Attention.forward`` (rotary tables rebuilt
-each step, offload / recompute / fusion / nvtx branches, inference bookkeeping), 30 layers deep. This step calls the
-same megatron modules and functions in the same order (norms, ``get_query_key_value_tensors``, megatron's
-``apply_rotary_pos_emb``, our ``SDPACoreAttention``, ``linear_proj``, megatron's bias-dropout-add, ``mlp``, the
-final norm and the output layer), so the logits are bit-identical to the full forward (tests/integration/
-test_generation_decode_step.py), and tensor parallelism works through the modules' own collectives.
+A decode step at a few rows spends much of its CPU time outside the matmuls (profiles: docs/bench/peer.md), much
+of it in the Python of ``GPTModel.forward`` -> ``TransformerBlock`` -> ``TransformerLayer`` -> ``Attention.forward``
+(rotary tables rebuilt each step, offload / recompute / fusion / nvtx branches, inference bookkeeping), once per
+layer. This step calls the same megatron modules and functions in the same order (norms,
+``get_query_key_value_tensors``, megatron's ``apply_rotary_pos_emb``, our ``SDPACoreAttention``, ``linear_proj``,
+megatron's bias-dropout-add, ``mlp``, the final norm and the output layer), so the logits are bit-identical to the
+full forward (tests/integration/test_generation_decode_step.py), and tensor parallelism works through the
+modules' own collectives.
 
 It writes each new key (RoPE-rotated, as ``CachedRopeSelfAttention`` stores the prompt's keys) and value into the
 ``StaticInferenceContext`` cache at column ``ctx.sequence_len_offset``; the caller advances the offset.
 
 On CPU in fp32 the step's GEMMs run on weights prepacked for oneDNN (``packed_linears``): megatron's linear
-layers call MKL's sgemm, which reaches ~60-85 GFLOPS at 16 rows on this project's 2-core machines against ~230 for
-oneDNN's prepacked kernel (a SmolLM2-135M step's matmuls: 57 -> 23 ms). Packing costs ~0.2 s per rollout (the
-actor's weights change between rollouts, so each rollout packs afresh). The GEMM's summation order differs from
+layers call MKL's sgemm, which at a decode step's few rows runs well below oneDNN's prepacked kernel on the CPUs
+this was measured on. Packing is a small fixed cost per rollout (the actor's weights change between rollouts, so
+each rollout packs afresh); both measured in docs/bench/peer.md ("What session 3 changed", item 5; its rollout
+profiles show the packing as ``mkldnn::_reorder_linear_weight``). The GEMM's summation order differs from
 MKL's, so logits agree to fp32 rounding (~1e-6 relative), not bit for bit; the module path (``packed=False``) is
 bit-identical. Collectives and biases follow megatron's linear layers: row-parallel outputs are all-reduced over TP
 before their bias, the output layer's logits are all-gathered.

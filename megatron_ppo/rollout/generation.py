@@ -10,10 +10,12 @@ attention/KV-cache/RoPE code is megatron's.
 Two ways to fill the cache with prompts of different lengths (``DecodeOptions.prefill``, docs/models.md):
 
 * ``"ragged"`` (default where the core attention takes a mask: our ``SDPACoreAttention``): prompts are left-padded
-  to the longest, the whole batch is prefilled in ONE forward with a causal + key-padding mask, then every row
-  decodes one token per step (``max_response_length`` steps at most). Each row's tokens sit at columns
-  ``pad_i .. pad_i+n-1``; RoPE is relative (q.k depends on the position difference only), so the attention scores
-  equal those of the row alone at positions 0..n-1 up to float rounding (~1e-6 in fp32).
+  to the longest; with the KV cache the rows, sorted by length, are prefilled in groups of similar lengths
+  (``prefill_groups``: one forward each, a group computing only its own prompts' columns; on a GPU one group) with a
+  causal + key-padding mask, then every row decodes one token per step (``max_response_length`` steps at most).
+  Each row's tokens sit at columns ``pad_i .. pad_i+n-1``; RoPE is relative (q.k depends on the position
+  difference only), so the attention scores equal those of the row alone at positions 0..n-1 up to float rounding
+  (~1e-6 in fp32).
 * ``"aligned"`` (needs no mask, so TE's fused attention works unchanged; the default for any other core
   attention): as megatron's legacy engine does, the batch prefills up to the shortest prompt, then advances one
   position per step; a row still inside its prompt takes its next prompt token instead of the sample.
@@ -31,7 +33,8 @@ enabled.
 Keys are cached RoPE-rotated (``attention.CachedRopeSelfAttention``: megatron re-rotates the whole cache every
 step) and one-token steps run through ``decode_step.DecodeStep`` (``lean_decode``: the same modules without
 ``GPTModel.forward``'s scaffolding); both are bit-identical to megatron's path. On CPU in fp32 that step's GEMMs
-run on oneDNN-prepacked weights (``packed_linears``: 2.5x MKL's sgemm at 16 rows; log-probs to fp32 rounding), and
+run on oneDNN-prepacked weights (``packed_linears``: faster than MKL's sgemm at a decode step's few rows on the CPUs
+measured, docs/bench/peer.md; log-probs to fp32 rounding), and
 the prefill forwards' GEMMs on oneDNN too (``onednn_prefill``, ``ops.cpu_matmul``; a worker passes its own
 ``cpu_gemm`` decision, so ``auto`` keeps a small model's prefill on torch's GEMMs).
 
@@ -361,13 +364,15 @@ def prefill_groups(lengths: list[int], forward_cost_tokens: int) -> list[tuple[i
 
 
 def _forward_cost_tokens(device) -> int:
-    """Fixed cost of one forward in prompt tokens: measured ~20 on 2 CPU cores (SmolLM2-135M: a 16-row decode step
-    ~ 35 prefill tokens, half of it fixed); on a GPU a forward's launch cost dwarfs a few thousand prompt tokens."""
+    """Fixed cost of one forward, in prompt tokens: on CPU a forward's fixed (per-call) part is worth a few dozen
+    prompt tokens, so prompts of quite different lengths get their own prefill forwards; on a GPU a forward's launch
+    cost dwarfs a few thousand prompt tokens (one group in practice). Rollout timings: docs/bench/peer.md."""
     return 32 if torch.device(device).type == "cpu" else 4096
 
 
 def _generate_ragged(model, prompts, params, options, vocab, use_kv_cache):
-    """Left-padded batch, one prefill forward, then one token per step for every unfinished row."""
+    """Left-padded batch, prefilled by length groups (one forward without the KV cache), then one token per step for
+    every unfinished row."""
     device = next(unwrap_model(model).parameters()).device
     b, r = len(prompts), params.max_response_length
     lengths = torch.tensor([p.numel() for p in prompts], device=device)

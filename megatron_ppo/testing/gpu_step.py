@@ -1,5 +1,5 @@
 """A bf16 PPO step on a ~0.5 B model through the real driver and role workers, in one process (tools/gpu_check.sh,
-stage ppo_step): ``cluster.launcher=local`` (actor, critic and reference each an in-process rank, no Ray),
+stage ppo_step): ``cluster.launcher=local`` (actor, critic and ref each an in-process rank, no Ray),
 ``cluster.device=cuda``, random weights of a Qwen2.5-0.5B-shaped ``arch:`` (nothing is downloaded), the generated
 arithmetic prompts and a word-level tokenizer of the model's full vocabulary built on the spot.
 
@@ -8,11 +8,11 @@ arithmetic prompts and a word-level tokenizer of the model's full vocabulary bui
 
 MFU, as the gpu_check brief defines it: ``6 * params * tokens / step_time / peak`` with params the actor's
 parameters (tied embedding counted once: megatron_ppo.plan.memory.total_params), tokens every prompt + response
-token of the step's rollout batch, and the peak the H200's dense bf16 datasheet rate (989 TFLOP/s; KINDS.md measured
-769-798 on random 8192^3 products). That number charges the whole step (generation included) against one
-training pass of the actor, so it is reported beside the actor update's own MFU and an all-passes count
-(``step_model_flops``: every forward and backward of every role in the step). Attention score FLOPs are left out
-of all three (about 3 % at these lengths).
+token of the step's rollout batch, and the peak the H200's dense bf16 datasheet rate (989 TFLOP/s; a real GEMM
+reaches less, so MFU reads against the datasheet; results: docs/bench/gpu.md). That number charges the whole step
+(generation included) against one training pass of the actor, so it is reported beside the actor update's own MFU
+and an all-passes count (``step_model_flops``: every forward and backward of every role in the step). Attention
+score FLOPs are left out of all three (about 3 % at these lengths).
 """
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def run(workdir: str | Path, *, arch_name: str = "qwen2-0.5b", device: str = "cu
     from megatron_ppo import ops
     from megatron_ppo.models.spec import resolve_transformer_impl
     from megatron_ppo.trainer.components import build_components
-    from megatron_ppo.trainer.entry import check_device
+    from megatron_ppo.trainer.preflight import check_device
     from megatron_ppo.trainer.ppo import PPOTrainer
 
     model_arch = arch(arch_name)

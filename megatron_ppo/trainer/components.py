@@ -121,9 +121,6 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
     if cfg.rollout.mode == "offline":  # stored trajectories instead of prompts: no generation (rollout/offline.py)
         from megatron_ppo.rollout.offline import OfflineTrajectories
 
-        if cfg.rollout.n != 1:  # GRPO groups / n samples per prompt would silently be groups of one row
-            raise ValueError(f"rollout.n={cfg.rollout.n}: offline (rollout.mode=offline) each stored trajectory is "
-                             "one response; set rollout.n=1 (and a GAE advantage estimator)")
         train = OfflineTrajectories(cfg.rollout.trajectory_files, tokenizer, vocab, cfg.data.max_prompt_length,
                                     cfg.data.max_response_length)
     else:

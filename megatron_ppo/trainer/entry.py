@@ -8,7 +8,6 @@ and every rank, placement group and Ray cluster started here is gone before the 
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 
@@ -25,43 +24,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def unsupported_settings(cfg) -> list[str]:
-    """Settings the driver would otherwise ignore silently: each is refused, by name."""
-    checks = {
-        # read nowhere else in the driver or the workers (tests/integration/test_config_keys_reach_code.py proves that
-        # every other key reaches the code it names)
-        "data.reward_fn_key (rewards are chosen by data_source)": cfg.data.reward_fn_key != "data_source",
-        "actor.optim.optimizer=sgd (Adam only)": cfg.actor.optim.optimizer != "adam",
-        "critic.optim.optimizer=sgd (Adam only)": cfg.critic.optim.optimizer != "adam",
-        "actor.entropy_from_logits_chunk_size (log-probs and entropy use models.logprobs.DEFAULT_CHUNK)":
-            cfg.actor.entropy_from_logits_chunk_size != 2048,
-        "critic.model.tokenizer_path / ref.model.tokenizer_path / reward.reward_model.model.tokenizer_path (all "
-        "roles use the actor's tokenizer)": any(m.tokenizer_path not in (None, cfg.actor.model.tokenizer_path)
-                                                for m in (cfg.critic.model, cfg.ref.model, cfg.reward.reward_model.model)),
-        "trainer.log_val_generations > 0": cfg.trainer.log_val_generations > 0,
-    }
-    return [name for name, asked in checks.items() if asked]
-
-
-def check_device(cfg, cuda_available: bool) -> None:
-    """cluster.device against this machine: cuda without CUDA is refused (UsageError naming the key); cpu on a CUDA
-    machine is warned about (the ranks use CUDA whenever it is there; tiny_cpu.yaml says cpu and
-    should still run on a GPU box). Checked where training starts, not at config load: configs for GPU clusters
-    are validated on CPU machines."""
-    device = cfg.cluster.device
-    if device == "cuda" and not cuda_available:
-        raise UsageError("cluster.device=cuda, but torch.cuda.is_available() is false on this machine (the run "
-                         "would go to the CPU); set cluster.device=auto or cpu, or run where CUDA is. Nothing was run.")
-    if device == "cpu" and cuda_available:
-        logging.getLogger(__name__).warning(
-            "cluster.device=cpu, but this machine has CUDA, which the ranks use whenever it is "
-            "available: this run goes to the GPU (hide the GPUs with CUDA_VISIBLE_DEVICES= to run on the CPU)")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from megatron_ppo import console
-    from megatron_ppo.trainer.preflight import describe_plan, run_preflight
+    from megatron_ppo.config.checks import unsupported_settings
+    from megatron_ppo.trainer.preflight import check_device, describe_plan, run_preflight
 
     console.setup_logging()
     cfg = load_config(args.config, args.overrides)

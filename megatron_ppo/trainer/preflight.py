@@ -369,3 +369,18 @@ def describe_plan(cfg, checked: dict) -> str:
     lines.append(f"outputs: metrics/logs in {t.expand(t.log_dir)}"
                  + (f"; rollouts in {cfg.rollout.dump_dir}" if cfg.rollout.dump_dir else ""))
     return "\n".join(lines)
+
+
+def check_device(cfg, cuda_available: bool) -> None:
+    """cluster.device against this machine: cuda without CUDA is refused (UsageError naming the key); cpu on a CUDA
+    machine is warned about (the ranks use CUDA whenever it is there; tiny_cpu.yaml says cpu and
+    should still run on a GPU box). Checked where training starts, not at config load: configs for GPU clusters
+    are validated on CPU machines."""
+    device = cfg.cluster.device
+    if device == "cuda" and not cuda_available:
+        raise UsageError("cluster.device=cuda, but torch.cuda.is_available() is false on this machine (the run "
+                         "would go to the CPU); set cluster.device=auto or cpu, or run where CUDA is. Nothing was run.")
+    if device == "cpu" and cuda_available:
+        logging.getLogger(__name__).warning(
+            "cluster.device=cpu, but this machine has CUDA, which the ranks use whenever it is "
+            "available: this run goes to the GPU (hide the GPUs with CUDA_VISIBLE_DEVICES= to run on the CPU)")

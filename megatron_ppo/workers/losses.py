@@ -1,4 +1,5 @@
-"""The per-micro-batch functions the driver hands to workers: outputs (log-probs, values) and losses.
+"""The per-micro-batch functions the role workers build from their config inside the ranks (the driver sends data,
+never functions): outputs (log-probs, values) and losses.
 
 Each binds a model output ([1, T, V/TP] logits or [1, T, 1] values, packed) to the algo/ math in verl's [b, R]
 response layout. Losses are normalised by the whole mini-batch (``batch_num_tokens`` / ``global_batch_size``)

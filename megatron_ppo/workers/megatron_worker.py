@@ -17,8 +17,9 @@ from megatron_ppo.models.training import OptimizerSettings, build_optimizer, wra
 from megatron_ppo.ops.cpu_matmul import onednn_matmul
 
 
-# cpu_gemm="auto": oneDNN from this hidden size up. Measured (tools/bench_cpu_matmul.py): hidden 64 (the tests' tiny
-# model) 1.1-1.5x slower with the routing, SmolLM2-135M's 576 0.6x the time.
+# cpu_gemm="auto": oneDNN from this hidden size up: below it (the tests' tiny hidden-64 model) the routing costs more
+# than it gains; at SmolLM2-135M's 576 it gains, much on an AMD EPYC, little on an Intel Xeon. Measured by
+# tools/bench_cpu_matmul.py: docs/models.md ("fp32 CPU GEMMs on oneDNN"), docs/bench/models.md, docs/bench/peer.md.
 ONEDNN_MIN_HIDDEN = 512
 
 
@@ -63,13 +64,13 @@ class MegatronWorker:
         """One optimizer step over the micro-batches.
 
         Returns {"micro": [per micro-batch metrics as floats], "loss", "grad_norm", "lr", "update_skipped",
-        "skip_reason"}; how the micro-batch metrics combine is the driver's business. The update is skipped
-        (gradients dropped; weights and optimizer state unchanged) when
+        "skip_reason"}; how the micro-batch metrics combine is the caller's business (workers/role.py's update loop,
+        ``reduce_metrics``). The update is skipped (gradients dropped; weights and optimizer state unchanged) when
           - the summed loss or the global gradient norm is not finite on any rank ("nonfinite"): a step with an
             inf/nan loss or norm must never reach the weights, whatever the precision (Megatron's own check only
             exists in fp16, via the loss scaler);
           - fp16's loss scaler found an overflow ("loss_scale_overflow", Megatron's own skip; the scale shrinks);
-          - skip_step(micro_metrics) says so ("kl_guard"), a decision of the driver's (the target-KL guard).
+          - skip_step(micro_metrics) says so ("kl_guard"), the caller's decision (the actor's target-KL guard).
         The lr schedule advances per training step: see step_lr_scheduler."""
         if self.optimizer is None:
             raise RuntimeError(f"{self.role} worker has no optimizer (built frozen)")

@@ -37,8 +37,9 @@ READ_ON_ANOTHER_PATH = {
     # test_trainer_resume.py); the two runs here neither read trajectories nor save
     "rollout.trajectory_files": ("megatron_ppo/trainer/components.py", "cfg.rollout.trajectory_files"),
     "trainer.resume_from_path": ("megatron_ppo/trainer/checkpoint.py", "t.resume_from_path"),
-    "trainer.max_actor_ckpt_to_keep": ("megatron_ppo/trainer/ppo.py", "t.max_actor_ckpt_to_keep"),
-    "trainer.max_critic_ckpt_to_keep": ("megatron_ppo/trainer/ppo.py", "t.max_critic_ckpt_to_keep"),
+    # max_<role>_ckpt_to_keep of every trained role (roles.py)
+    "trainer.max_actor_ckpt_to_keep": ("megatron_ppo/trainer/ppo.py", 'getattr(t, f"max_{role}_ckpt_to_keep")'),
+    "trainer.max_critic_ckpt_to_keep": ("megatron_ppo/trainer/ppo.py", 'getattr(t, f"max_{role}_ckpt_to_keep")'),
 }
 
 COMMON = {"trainer.total_training_steps": 1, "trainer.test_freq": 1, "trainer.val_before_train": "true",
@@ -154,7 +155,7 @@ def _run_main(overrides: list[str], recorder: ReadRecorder, monkeypatch) -> None
 
 @pytest.mark.slow  # three tiny `megatron-ppo train` runs: ~35 s on 2 cores
 def test_every_config_key_is_read_by_the_product_or_refused_by_name(data_dir, tmp_path, monkeypatch):
-    from megatron_ppo.trainer.entry import unsupported_settings
+    from megatron_ppo.config.checks import unsupported_settings
 
     recorder = ReadRecorder(monkeypatch)
     for name, extra in RUNS.items():

@@ -221,11 +221,9 @@ def test_offline_at_the_default_ray_layout(dump, data_dir, tmp_path):
 
 
 def test_offline_refuses_more_than_one_response_per_row(data_dir, tmp_path):
-    from megatron_ppo.trainer.components import build_components
-
-    cfg = load_config("tiny_cpu", _offline(data_dir, tmp_path, tmp_path / "t.parquet", **{"rollout.n": 2}))
-    with pytest.raises(ValueError, match="rollout.n=2: offline"):
-        build_components(cfg)
+    """A config-only check (config/checks.py): refused at load, before anything is built."""
+    with pytest.raises(ValueError, match="rollout.n: must be 1 with rollout.mode=offline .*got 2"):
+        load_config("tiny_cpu", _offline(data_dir, tmp_path, tmp_path / "t.parquet", **{"rollout.n": 2}))
 
 
 @pytest.mark.slow

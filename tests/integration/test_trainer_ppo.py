@@ -85,7 +85,7 @@ def test_one_ppo_step_end_to_end(data_dir, tmp_path):
     metrics = history[0]
     for key in ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/kl_loss", "actor/grad_norm",
                 "critic/vf_loss", "critic/vf_explained_var", "reward/score/mean", "timing/gen",
-                "timing/update_actor", "perf/tokens_per_s", "response_length/mean"):
+                "timing/update_actor", "timing/sync_weights", "perf/tokens_per_s", "response_length/mean"):
         assert key in metrics, key
     # Recomputed old log-probs (packed, teacher-forced) equal the sampler's log-probs of the same tokens.
     assert metrics["rollout/logprob_abs_diff_max"] < 1e-4
@@ -158,7 +158,7 @@ def test_train_refuses_cluster_device_cuda_without_cuda(monkeypatch):
 
 
 def test_cluster_device_cpu_on_a_cuda_machine_is_a_warning(caplog):
-    from megatron_ppo.trainer.entry import check_device
+    from megatron_ppo.trainer.preflight import check_device
 
     with caplog.at_level("WARNING", logger="megatron_ppo.trainer.entry"):
         check_device(load_config("tiny_cpu"), cuda_available=True)

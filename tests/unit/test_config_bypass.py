@@ -7,7 +7,7 @@ import pytest
 
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.checks import validate
-from megatron_ppo.trainer.entry import unsupported_settings
+from megatron_ppo.config.checks import unsupported_settings
 
 KEY = "algorithm.rollout_correction"
 

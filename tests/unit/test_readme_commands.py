@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ppo.config import load_config
-from megatron_ppo.trainer.entry import _parser, unsupported_settings
+from megatron_ppo.config.checks import unsupported_settings
+from megatron_ppo.trainer.entry import _parser
 
 REPO = Path(__file__).resolve().parents[2]
 MARK = "needs checkpointing"
