@@ -102,7 +102,7 @@ def _config_classes(cls=C.PPOConfig) -> set[type]:
 class ReadRecorder:
     """Records 'dotted.key' for each field read on the registered config tree, except reads by dataclass-generated
     methods (__eq__, __repr__) and by the config machinery (config/io.py: to_dict/YAML;
-    config/checks.py: validation)."""
+    config/checks.py: validation, except ``unsupported_settings``, whose reads refuse a key by name)."""
 
     MACHINERY = ("megatron_ppo/config/io.py", "megatron_ppo/config/checks.py")
 
@@ -134,6 +134,8 @@ class ReadRecorder:
             return False
         while frame is not None and frame.f_code.co_filename.endswith("dataclasses.py"):  # asdict: who asked?
             frame = frame.f_back
+        if frame is not None and frame.f_code.co_name == "unsupported_settings":  # refused by name (config/checks.py)
+            return True
         return frame is None or not frame.f_code.co_filename.endswith(self.MACHINERY)
 
 
