@@ -1,0 +1,131 @@
+"""The actor's weights for a rollout engine with its own copy (rollout/weights.py): HF names through the converter's
+mapping, bit-identical to the HF checkpoint the actor was loaded from, at TP1, TP2 and PP2; tied embeddings once;
+an update reaches the export; a stale version is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ppo.testing.tiny_hf import make_tiny_hf
+
+KINDS = ("llama", "qwen2", "llama_tied_llama3rope")  # untied; tied + qkv bias; tied + llama3 rope
+
+
+def _hf_tensors(hf_dir) -> dict:
+    import glob
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in sorted(glob.glob(f"{hf_dir}/*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+def _assert_same(got: dict, want: dict):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    from megatron_ppo.convert.hf_import import converted_checkpoint
+
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for kind in KINDS:
+        hf_dir = make_tiny_hf(kind, str(root / kind), tokenizer=False)
+        converted_checkpoint(hf_dir, str(root / "cache"))  # as the driver does, before any rank starts
+        out[kind] = (hf_dir, str(root / "cache"))
+    return out
+
+
+def _actor(hf_dir, cache):
+    from megatron_ppo.convert.hf_import import load_hf_weights
+    from megatron_ppo.convert.mapping import arch_from_hf_config
+    from megatron_ppo.models.gpt import build_gpt_model
+
+    arch = arch_from_hf_config(hf_dir)
+    model = build_gpt_model(arch, "actor")
+    load_hf_weights(model, "actor", hf_dir, cache)
+    return model, arch
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_is_the_hf_checkpoint_and_follows_an_update(megatron_single, hf_models, tmp_path, kind):
+    from megatron_ppo.rollout.weights import StaleWeightsError, finish_sync, read_weights, write_weights
+
+    hf_dir, cache = hf_models[kind]
+    model, arch = _actor(hf_dir, cache)
+    want = _hf_tensors(hf_dir)
+    files = write_weights(model, str(tmp_path / "sync"), version=1, bucket_bytes=64 << 10)
+    assert len(files) > 1  # buckets
+    manifest = finish_sync(str(tmp_path / "sync"), 1, files, arch)
+    assert manifest["tie_word_embeddings"] == arch.tie_word_embeddings == ("lm_head.weight" not in want)
+    got, _ = read_weights(str(tmp_path / "sync"), 1)
+    _assert_same(got, want)
+    # an update reaches the next version (x2 is exact in fp32 and commutes with every split of the mapping)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2)
+    files = write_weights(model, str(tmp_path / "sync2"), version=2)
+    finish_sync(str(tmp_path / "sync2"), 2, files, arch)
+    got, _ = read_weights(str(tmp_path / "sync2"), 2)
+    _assert_same(got, {k: 2 * v for k, v in want.items()})
+    with pytest.raises(StaleWeightsError, match="holds weights of sync version 2, the actor is at 3"):
+        read_weights(str(tmp_path / "sync2"), 3)
+
+
+def test_a_value_model_is_refused(megatron_single):
+    from megatron_ppo.models.arch import tiny_arch
+    from megatron_ppo.models.gpt import build_gpt_model
+    from megatron_ppo.rollout.weights import stage_hf_weights
+
+    with pytest.raises(ValueError, match="value model"):
+        next(stage_hf_weights(build_gpt_model(tiny_arch(), "critic")))
+
+
+def test_a_missing_stage_is_refused(megatron_single, hf_models, tmp_path):
+    """finish_sync checks the union of the stages' files covers every HF tensor exactly once."""
+    import os
+
+    from megatron_ppo.rollout.weights import finish_sync, write_weights
+
+    hf_dir, cache = hf_models["llama"]
+    model, arch = _actor(hf_dir, cache)
+    files = write_weights(model, str(tmp_path), version=5, bucket_bytes=64 << 10)
+    with pytest.raises(ValueError, match="missing"):
+        finish_sync(str(tmp_path), 5, files[:-1], arch)
+    assert not os.path.exists(tmp_path / "sync.json")
+
+
+def _job_export(rank, world, layout, hf_dir, cache, out):
+    from megatron_ppo import parallel
+    from megatron_ppo.rollout.weights import write_weights
+
+    tp, pp = {"tp2": (2, 1), "pp2": (1, 2)}[layout]
+    parallel.initialize(tp=tp, pp=pp, seed=7)
+    try:
+        model, _ = _actor(hf_dir, cache)
+        return write_weights(model, out, version=9)
+    finally:
+        parallel.destroy(destroy_process_group=False)
+
+
+@pytest.mark.slow  # two ranks
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_sharded_actor_exports_the_same_weights(dist_pool2, hf_models, tmp_path, layout, kind):
+    from megatron_ppo.convert.mapping import arch_from_hf_config
+    from megatron_ppo.rollout.weights import finish_sync, read_weights
+
+    hf_dir, cache = hf_models[kind]
+    r0, r1 = dist_pool2.run(_job_export, layout, hf_dir, cache, str(tmp_path))
+    if layout == "tp2":
+        assert r0 and not r1  # TP rank 1 gathers, rank 0 writes
+    else:
+        assert r0 and r1  # each stage writes its own layers
+    finish_sync(str(tmp_path), 9, r0 + r1, arch_from_hf_config(hf_dir))
+    got, _ = read_weights(str(tmp_path), 9)
+    _assert_same(got, _hf_tensors(hf_dir))
