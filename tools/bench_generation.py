@@ -10,7 +10,7 @@ the first N GSM8K test questions in the chat template with the preprocessing's i
 (temperature 1, no top-k/top-p) exactly ``new`` tokens per prompt (no eos stop: HF with min_new_tokens), with the
 same thread count; the systems run interleaved, ``reps`` rounds, and the medians are reported with CPU-seconds
 (process user+sys) and the machine's load average. ``--profile`` adds a torch-profiler table of one rollout of ours.
-``--compile`` adds ours with the decode step torch.compile'd (``rollout.use_torch_compile``) as a further system of
+``--compile`` adds ours with the decode step torch.compile'd (``rollout.megatron.use_torch_compile``) as a further system of
 the same rounds; its first rollout (which compiles) runs before the rounds and is reported as ``compile_warmup_s``.
 """
 from __future__ import annotations
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     ap.add_argument("--before-rev", default=None, help="also time the generation.py of this git revision")
     ap.add_argument("--before-cases", nargs="*", default=None, help="cases that also time --before-rev (default: all)")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--compile", action="store_true", help="also time ours with rollout.use_torch_compile")
+    ap.add_argument("--compile", action="store_true", help="also time ours with rollout.megatron.use_torch_compile")
     ap.add_argument("--json", default=None, help="write the raw results here")
     args = ap.parse_args(argv)
     res = run(args)
