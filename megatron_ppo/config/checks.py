@@ -296,9 +296,29 @@ def _rollout(cfg: PPOConfig, errs: _Errors) -> None:
     else:
         errs.check(not r.trajectory_files, "rollout.trajectory_files", "only read when rollout.mode=offline "
                    "(it is online); remove them or set rollout.mode=offline")
+    if r.name == "vllm":
+        _vllm(cfg, errs)
     if cfg.algorithm.adv_estimator == "grpo":
         errs.check(r.n >= 2, "rollout.n", f"must be >= 2 with algorithm.adv_estimator=grpo (advantages are "
                    f"relative to the group of responses), got {r.n}")
+
+
+def _vllm(cfg: PPOConfig, errs: _Errors) -> None:
+    v = cfg.rollout.vllm
+    for key, s in (("rollout", cfg.rollout), ("rollout.val_kwargs", cfg.rollout.val_kwargs)):
+        # vLLM reports a sampled token's log-prob before temperature or after temperature and top-k/top-p; the
+        # trainer's is log_softmax(logits / T) over the full vocabulary (rollout/vllm.logprobs_mode)
+        errs.check(not (s.do_sample and (s.top_k > 0 or s.top_p < 1.0) and s.temperature != 1.0),
+                   f"{key}.temperature", f"with rollout.name=vllm and top_k/top_p on, must be 1.0 (vLLM cannot report "
+                   f"log_softmax(logits / T) of a truncated distribution), got {s.temperature}")
+    errs.positive("rollout.vllm.tensor_model_parallel_size", v.tensor_model_parallel_size)
+    errs.check(0 < v.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization",
+               f"must be in (0, 1], got {v.gpu_memory_utilization}")
+    errs.check(v.cpu_kv_cache_gib > 0, "rollout.vllm.cpu_kv_cache_gib", f"must be > 0, got {v.cpu_kv_cache_gib}")
+    errs.positive("rollout.vllm.max_num_seqs", v.max_num_seqs)
+    errs.positive("rollout.vllm.bucket_mb", v.bucket_mb)
+    errs.check(v.start_timeout_s > 0, "rollout.vllm.start_timeout_s", f"must be > 0, got {v.start_timeout_s}")
+    errs.check(v.hang_timeout_s > 0, "rollout.vllm.hang_timeout_s", f"must be > 0, got {v.hang_timeout_s}")
 
 
 def _algorithm(cfg: PPOConfig, errs: _Errors) -> None:

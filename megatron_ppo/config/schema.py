@@ -242,10 +242,34 @@ class MegatronRolloutConfig:
 
 
 @dataclass
+class VllmRolloutConfig:
+    """The vLLM engine's own settings (rollout/vllm.py): one vLLM process per actor DP replica, in its own
+    virtualenv (make setup-vllm)."""
+    python: Optional[str] = field(None, "the vLLM virtualenv's python (default: $MEGATRON_PPO_VLLM_PYTHON, else "
+                                  ".venv-vllm/bin/python in the repository)", None)
+    tensor_model_parallel_size: int = field(1, "vLLM's own tensor parallelism (GPUs per engine)")
+    gpu_memory_utilization: float = field(0.5, "GPU: the fraction of GPU memory vLLM may take (weights + KV cache)")
+    cpu_kv_cache_gib: float = field(1.0, "CPU: the KV cache size in GiB (vLLM's kv_cache_memory_bytes; "
+                                    "VLLM_CPU_KVCACHE_SPACE)", None)
+    max_num_seqs: int = field(256, "sequences vLLM batches at once")
+    enforce_eager: bool = field(True, "no CUDA graphs (faster start, slower decode on GPU)")
+    bucket_mb: int = field(512, "weight sync: safetensors bucket size", None)
+    weights_dir: Optional[str] = field(None, "weight sync: directory of the per-replica weight files (default "
+                                       "/dev/shm; must be shared by a replica's nodes when its pipeline spans "
+                                       "nodes)", None)
+    start_timeout_s: float = field(600.0, "an engine that has not started (or loaded weights) in this time is "
+                                   "killed and the run ends", None)
+    hang_timeout_s: float = field(30.0, "generating: no engine step finished for this long = hung: killed, the "
+                                  "run ends", None)
+
+
+@dataclass
 class RolloutConfig(SamplingConfig):
-    name: Literal["megatron"] = field("megatron", "the rollout engine (rollout/__init__.ENGINES): megatron = the "
-                                      "actor's own Megatron model with a KV cache; its settings: rollout.<name>.*")
+    name: Literal["megatron", "vllm"] = field(
+        "megatron", "the rollout engine (rollout/__init__.ENGINES): megatron = the actor's own Megatron model with "
+        "a KV cache; vllm = a vLLM process per actor DP replica (docs/rollout.md); its settings: rollout.<name>.*")
     megatron: MegatronRolloutConfig = field(MegatronRolloutConfig, "")
+    vllm: VllmRolloutConfig = field(VllmRolloutConfig, "")
     mode: Literal["online", "offline"] = field("online", "online: the actor generates; offline: replay "
                                                "trajectory_files", None)
     trajectory_files: list[str] = field([], "offline trajectory parquet file(s) (rollout.mode=offline)", None)

@@ -205,6 +205,34 @@ def arch_from_hf_config(hf_config: Any) -> ModelArch:
         raise ConversionError(f"HF config ({model_type}): {e}") from e
 
 
+def hf_config_dict(arch: ModelArch, dtype: str = "float32") -> dict:
+    """The HF config.json of a causal LM with this architecture: the inverse of ``arch_from_hf_config`` (Llama;
+    Qwen2 where the QKV projection has biases), for an engine that loads our weights as an HF model."""
+    model_type = arch.extra.get("hf_model_type") or ("qwen2" if arch.add_qkv_bias else "llama")
+    if (model_type == "qwen2") != arch.add_qkv_bias or model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConversionError(f"no HF model type for this architecture (hf_model_type={model_type!r}, "
+                              f"add_qkv_bias={arch.add_qkv_bias})")
+    if arch.normalization != "RMSNorm" or arch.activation != "swiglu":
+        raise ConversionError(f"no HF {model_type} config for normalization={arch.normalization}, "
+                              f"activation={arch.activation} (RMSNorm + SwiGLU only)")
+    rope = {"rope_type": "default", "rope_theta": float(arch.rotary_base)}
+    if arch.rope_scaling:
+        rope = {**arch.rope_scaling, "rope_theta": float(arch.rotary_base)}
+    d = {"architectures": [SUPPORTED_ARCHITECTURES[SUPPORTED_MODEL_TYPES.index(model_type)]],
+         "model_type": model_type, "hidden_size": arch.hidden_size, "intermediate_size": arch.ffn_hidden_size,
+         "num_hidden_layers": arch.num_layers, "num_attention_heads": arch.num_attention_heads,
+         "num_key_value_heads": arch.num_query_groups, "vocab_size": arch.vocab_size,
+         "max_position_embeddings": arch.max_position_embeddings, "rms_norm_eps": arch.norm_epsilon,
+         "rope_parameters": rope, "tie_word_embeddings": arch.tie_word_embeddings, "hidden_act": "silu",
+         "attention_dropout": arch.attention_dropout, "initializer_range": arch.init_method_std,
+         "head_dim": arch.kv_channels or arch.hidden_size // arch.num_attention_heads, "dtype": dtype}
+    if model_type == "llama":
+        d.update(attention_bias=False, mlp_bias=False)
+    else:
+        d.update(use_sliding_window=False)
+    return d
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Parallel layout
 # ----------------------------------------------------------------------------------------------------------------

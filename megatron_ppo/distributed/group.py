@@ -135,7 +135,10 @@ class LocalWorkerGroup(WorkerGroup):
     def shutdown(self) -> None:
         from megatron_ppo import parallel
 
+        close = getattr(self.worker, "close", None)  # a worker holding processes of its own (a vLLM engine)
         self.worker = None
+        if close is not None:
+            close()
         if self._owns_parallel and parallel.is_initialized():
             parallel.destroy()
         self._owns_parallel = False

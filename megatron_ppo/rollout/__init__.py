@@ -1,14 +1,15 @@
 """Rollout: engines behind one protocol (``RolloutEngine``: generate, sync_weights) and the sources of a step's
 rollouts (online | offline, rollout/source.py).
 
-``rollout.name`` chooses the engine; its settings are ``rollout.<name>.*``. Today: ``megatron``, the actor's own
-model with a KV cache (rollout/megatron.py). An engine lives in the actor's ranks (workers/actor.py builds it).
+``rollout.name`` chooses the engine; its settings are ``rollout.<name>.*``: ``megatron``, the actor's own model with
+a KV cache (rollout/megatron.py), or ``vllm``, a vLLM process per actor DP replica (rollout/vllm.py). An engine is
+built in the actor's ranks (workers/actor.py).
 """
 from __future__ import annotations
 
 from megatron_ppo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, replica_seed
 
-ENGINES = {"megatron": "megatron_ppo.rollout.megatron"}  # rollout.name -> module with build_engine(worker, cfg)
+ENGINES = {"megatron": "megatron_ppo.rollout.megatron", "vllm": "megatron_ppo.rollout.vllm"}  # rollout.name -> module with build_engine(worker, cfg)
 
 __all__ = ["ENGINES", "GenerationOutput", "RolloutEngine", "SamplingParams", "build_engine", "replica_seed"]
 

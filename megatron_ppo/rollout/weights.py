@@ -92,16 +92,19 @@ def stage_hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         yield from tensors.items()
 
 
-def write_weights(model, directory: str, version: int, bucket_bytes: int = 512 << 20) -> list[str]:
+def write_weights(model, directory: str, version: int, bucket_bytes: int = 512 << 20,
+                  per_replica: bool = False) -> list[str]:
     """Write this stage's HF weights into ``directory`` as safetensors buckets of at most ``bucket_bytes`` (a
     tensor larger than that gets a bucket of its own), named by stage; returns the files this rank wrote (none on
-    a rank other than the stage's first TP and DP rank). Call on every rank of the actor; then ``finish_sync``
-    on one rank."""
+    a rank other than the stage's first TP rank of the first DP replica, or of every replica with
+    ``per_replica``: each replica's engine reads its own directory, on its own node). Call on every rank of the
+    actor; then ``finish_sync`` on one rank (per replica)."""
     from megatron.core import parallel_state
     from safetensors.torch import save_file
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    writer = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    writer = parallel_state.get_tensor_model_parallel_rank() == 0 and (
+        per_replica or parallel_state.get_data_parallel_rank() == 0)
     os.makedirs(directory, exist_ok=True)
     files, bucket, size = [], {}, 0
 
@@ -149,6 +152,16 @@ def finish_sync(directory: str, version: int, files: list[str], arch) -> dict:
         json.dump(manifest, f)
     os.replace(tmp, os.path.join(directory, MANIFEST))
     return manifest
+
+
+def write_hf_config(directory: str, arch, dtype: str) -> str:
+    """``config.json`` of the HF model these weights are (convert/mapping.hf_config_dict), for an engine that
+    loads the directory as an HF model."""
+    path = os.path.join(directory, "config.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(M.hf_config_dict(arch, dtype), f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def read_weights(directory: str, version: int) -> tuple[dict[str, torch.Tensor], dict]:

@@ -301,6 +301,13 @@ def run_preflight(cfg) -> dict:
         check_writable("rollout.dump_dir", cfg.rollout.dump_dir)
     check_loggers(cfg)
     check_model_paths(cfg)
+    if cfg.rollout.name == "vllm":
+        from megatron_ppo.rollout.vllm import check_vllm_python
+
+        try:
+            check_vllm_python(cfg.rollout.vllm)
+        except UsageError as e:
+            raise PreflightError(str(e)) from e
     pending = _preprocess_outputs(cfg)
     if pending and not all(p.is_file() for p in pending):
         check_writable("data.preprocess.output_dir", cfg.data.preprocess.output_dir)

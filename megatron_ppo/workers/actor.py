@@ -27,6 +27,8 @@ class ActorWorker(RoleWorker):
         super().__init__(cfg, vocab_size, total_steps)
         g = cfg.algorithm.kl_guard
         self.guard = TargetKLGuard(g.target_kl) if g.enable else None
+        self.weights_version = 0  # grows whenever the weights change (update, load): an engine with its own copy
+        # of the weights must hold this version to generate (rollout/vllm.py)
         self.engine = build_engine(cfg.rollout.name, self, cfg)
 
     def generate(self, prompts: dict, params: SamplingParams, step: int) -> dict:
@@ -35,6 +37,8 @@ class ActorWorker(RoleWorker):
         seed = replica_seed(self.cfg.trainer.seed, step, parallel.dp_size(), parallel.dp_rank())
         params = dataclasses.replace(params, seed=seed)
         out = self.engine.generate(list(prompts["prompt_ids"]), params)
+        if out is None:  # an engine answering on the replica's representative rank only (vLLM)
+            return None
         pad = params.max_response_length - out.responses.shape[1]
         responses = torch.nn.functional.pad(out.responses, (0, pad), value=params.pad_token_id)
         log_probs = torch.nn.functional.pad(out.log_probs, (0, pad), value=0.0)
@@ -43,6 +47,12 @@ class ActorWorker(RoleWorker):
     def sync_weights(self) -> None:
         """After an update: the engine takes the new weights (a no-op for the in-actor engine)."""
         self.engine.sync_weights()
+
+    def close(self) -> None:
+        """End what the engine runs besides this rank (the vLLM process); the group calls it on shutdown."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def compute_log_probs(self, batch: RolloutBatch) -> dict | None:
         """{"log_probs", "entropy"} [B, R] of the responses under the current policy (rollout temperature)."""
@@ -60,7 +70,17 @@ class ActorWorker(RoleWorker):
                              mini_batch_tokens=mini_batch_tokens, mini_batch_seqs=mini_batch_seqs,
                              rollout_correction=self.cfg.algorithm.rollout_correction)
 
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.weights_version += 1
+
+    def load_checkpoint(self, directory: str, rank_states: list[dict]) -> dict:
+        out = super().load_checkpoint(directory, rank_states)
+        self.weights_version += 1
+        return out
+
     def update(self, batch: RolloutBatch, step: int) -> UpdateResult:
+        self.weights_version += 1
         result = super().update(batch, step)
         if self.guard is not None:
             result.metrics.update(self.guard.step_metrics())
