@@ -253,7 +253,10 @@ class VllmRolloutConfig:
                                     "VLLM_CPU_KVCACHE_SPACE)", None)
     max_num_seqs: int = field(256, "sequences vLLM batches at once")
     enforce_eager: bool = field(True, "no CUDA graphs (faster start, slower decode on GPU)")
-    bucket_mb: int = field(512, "weight sync: safetensors bucket size", None)
+    weight_transport: Literal["file", "ipc"] = field(
+        "file", "weight sync: file = safetensors on weights_dir (any node layout); ipc = tensors shared with the "
+        "engine process (CUDA IPC on a GPU, shared memory on the CPU; the engine on the replica's node)", None)
+    bucket_mb: int = field(512, "weight sync: safetensors bucket size (weight_transport=file)", None)
     weights_dir: Optional[str] = field(None, "weight sync: directory of the per-replica weight files (default "
                                        "/dev/shm; must be shared by a replica's nodes when its pipeline spans "
                                        "nodes)", None)

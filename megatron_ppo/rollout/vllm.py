@@ -9,9 +9,11 @@ Python, sits on that rank's node (where its GPU and /dev/shm are), and dies with
 changes). docs/rollout.md, "The vLLM engine".
 
 Each step: the actor updates (its ``weights_version`` grows), then ``sync_weights`` on every actor rank: the TP
-shards are gathered and written under HF names by the converter's mapping (rollout/weights.py), one directory per
-DP replica; the replica's tp0 ranks agree on the files over the pipeline group; the representative writes the
-manifest and asks its engine to load that version. ``generate`` refuses an engine whose version is not the
+shards are gathered under HF names by the converter's mapping (rollout/weights.py) and handed over
+(rollout.vllm.weight_transport): ``file``, safetensors buckets in one directory per DP replica (the replica's tp0
+ranks agree on the files over the pipeline group; the representative writes the manifest and asks its engine to
+load that version), or ``ipc``, tensors shared with the engine process (CUDA IPC on a GPU, shared memory on the
+CPU), loaded before the stages free them. The engine starts from files either way. ``generate`` refuses an engine whose version is not the
 actor's (``StaleWeightsError``): an engine never generates with an old policy.
 """
 from __future__ import annotations
@@ -35,7 +37,8 @@ import torch.distributed as dist
 from megatron_ppo import parallel
 from megatron_ppo.errors import UsageError
 from megatron_ppo.rollout.base import GenerationOutput, SamplingParams
-from megatron_ppo.rollout.weights import StaleWeightsError, finish_sync, write_hf_config, write_weights
+from megatron_ppo.rollout.weights import (StaleWeightsError, check_complete, finish_sync, share_weights,
+                                          write_hf_config, write_weights)
 
 log = logging.getLogger(__name__)
 
@@ -219,20 +222,53 @@ class VllmEngine:
             atexit.register(self.close)
 
     # -------------------------------------------------------------------------------------------- weights
+    def _stages(self, mine: list) -> list:
+        """The stage writers' lists, concatenated over the pipeline (tp0 ranks; others keep theirs, empty)."""
+        if parallel.pp_size() == 1 or not self.stage_writer:
+            return mine
+        from megatron.core import parallel_state
+
+        gathered = [None] * parallel.pp_size()
+        dist.all_gather_object(gathered, mine, group=parallel_state.get_pipeline_model_parallel_group())
+        return [item for stage in gathered for item in stage]
+
     def _export(self, version: int) -> list[str]:
         """Every rank: this replica's weights of ``version`` into its directory; returns (on the owner) all
         stages' files."""
         start = time.perf_counter()
-        files = write_weights(self.worker.module, self.directory, version, per_replica=True,
-                              bucket_bytes=int(self.engine_cfg.bucket_mb) << 20)
-        if parallel.pp_size() > 1 and self.stage_writer:
-            from megatron.core import parallel_state
-
-            gathered = [None] * parallel.pp_size()
-            dist.all_gather_object(gathered, files, group=parallel_state.get_pipeline_model_parallel_group())
-            files = [f for stage in gathered for f in stage]
+        files = self._stages(write_weights(self.worker.module, self.directory, version, per_replica=True,
+                                           bucket_bytes=int(self.engine_cfg.bucket_mb) << 20))
         self.export_seconds = time.perf_counter() - start
         return files
+
+    def _hand_over(self, version: int) -> None:
+        """Every rank: the weights of ``version`` to the running engine, by file or by shared tensors
+        (rollout.vllm.weight_transport)."""
+        if self.engine_cfg.weight_transport == "file":
+            files = self._export(version)
+            if self.owner:
+                start = time.perf_counter()
+                finish_sync(self.directory, version, files, self.arch)
+                self._call({"op": "load", "directory": self.directory, "version": version},
+                           self.engine_cfg.start_timeout_s)
+                self._prune(version)
+                self.load_seconds = time.perf_counter() - start
+            return
+        start = time.perf_counter()
+        handles, keep = share_weights(self.worker.module)
+        handles = self._stages(handles)
+        self.export_seconds = time.perf_counter() - start
+        if self.owner:
+            start = time.perf_counter()
+            check_complete([name for name, _ in handles], self.arch, version, "shared tensors")
+            self._call({"op": "load_shared", "version": version, "tensors": handles,
+                        "tie": bool(self.arch.tie_word_embeddings)}, self.engine_cfg.start_timeout_s)
+            self.load_seconds = time.perf_counter() - start
+        if parallel.pp_size() > 1 and self.stage_writer:  # the other stages' tensors live until the engine has them
+            from megatron.core import parallel_state
+
+            dist.barrier(group=parallel_state.get_pipeline_model_parallel_group())
+        del keep
 
     def _prune(self, version: int) -> None:
         keep = f"v{version}-"
@@ -260,12 +296,12 @@ class VllmEngine:
                                      e.hang_timeout_s)
         on_gpu = torch.cuda.is_available()
         self._call({"op": "start", "model_dir": self.directory, "dtype": dtype, "version": version,
-                           "seed": self.cfg.trainer.seed, "tensor_parallel_size": e.tensor_model_parallel_size,
-                           "enforce_eager": e.enforce_eager, "max_model_len": self.max_model_len(),
-                           "max_num_seqs": e.max_num_seqs, "logprobs_mode": logprobs_mode(self.cfg),
-                           "gpu_memory_utilization": e.gpu_memory_utilization if on_gpu else None,
-                           "kv_cache_memory_bytes": None if on_gpu else int(e.cpu_kv_cache_gib * (1 << 30))},
-                          e.start_timeout_s)
+                    "seed": self.cfg.trainer.seed, "tensor_parallel_size": e.tensor_model_parallel_size,
+                    "enforce_eager": e.enforce_eager, "max_model_len": self.max_model_len(),
+                    "max_num_seqs": e.max_num_seqs, "logprobs_mode": logprobs_mode(self.cfg),
+                    "gpu_memory_utilization": e.gpu_memory_utilization if on_gpu else None,
+                    "kv_cache_memory_bytes": None if on_gpu else int(e.cpu_kv_cache_gib * (1 << 30))},
+                   e.start_timeout_s)
         self.load_seconds = time.perf_counter() - start
         log.info("%s started (pid %d) on weights v%d in %.1f s", self.name, self.process.pid, version,
                  self.load_seconds)
@@ -288,15 +324,8 @@ class VllmEngine:
         if self.version is None:
             self._start(version)
             return
-        files = self._export(version)
+        self._hand_over(version)
         self.version = version
-        if self.owner:
-            start = time.perf_counter()
-            finish_sync(self.directory, version, files, self.arch)
-            self._call({"op": "load", "directory": self.directory, "version": version},
-                       self.engine_cfg.start_timeout_s)
-            self._prune(version)
-            self.load_seconds = time.perf_counter() - start
 
     # -------------------------------------------------------------------------------------------- generate
     def generate(self, prompt_ids: Sequence[torch.Tensor], params: SamplingParams) -> GenerationOutput | None:

@@ -127,6 +127,43 @@ def write_weights(model, directory: str, version: int, bucket_bytes: int = 512 <
     return files
 
 
+def share_weights(model) -> tuple[list[tuple[str, tuple]], list[torch.Tensor]]:
+    """This stage's HF weights as handles another process on this node rebuilds without a copy through disk:
+    CUDA IPC handles on a GPU, shared-memory names on the CPU (torch.multiprocessing's reductions; the
+    ``file_system`` strategy, so an unrelated process can open them). Returns (name, (rebuild_fn, args)) pairs
+    and the tensors behind them, which must stay alive until the engine has loaded them; both empty on a rank
+    other than the stage's first TP rank. A collective over the stage's TP group, like ``stage_hf_weights``."""
+    import torch.multiprocessing as mp
+    from megatron.core import parallel_state
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    writer = parallel_state.get_tensor_model_parallel_rank() == 0
+    handles, keep = [], []
+    for name, tensor in stage_hf_weights(model):
+        if not writer:
+            continue
+        if tensor.device.type == "cpu":  # one copy, straight into shared memory
+            mp.set_sharing_strategy("file_system")
+            t = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+            t.copy_(tensor)
+        else:
+            t = tensor.detach().clone()  # never the live parameter: the copy is what the engine reads
+        handles.append((name, reduce_tensor(t)))
+        keep.append(t)
+    return handles, keep
+
+
+def check_complete(names: list[str], arch, version: int, where: str) -> None:
+    """The HF tensors handed to an engine for sync ``version`` are the architecture's, each exactly once."""
+    seen, twice = set(), []
+    for name in names:
+        (twice.append(name) if name in seen else seen.add(name))
+    expected = set(M.hf_tensor_shapes(arch))
+    if twice or seen != expected:
+        raise ValueError(f"weight sync v{version} ({where}): missing {sorted(expected - seen)[:5]}, unexpected "
+                         f"{sorted(seen - expected)[:5]}, repeated {sorted(twice)[:5]}")
+
+
 def finish_sync(directory: str, version: int, files: list[str], arch) -> dict:
     """Write the manifest naming ``version``, its files and every HF tensor they hold, after every stage wrote;
     refuses a set of files that misses or repeats an HF tensor of the architecture."""

@@ -57,7 +57,7 @@ def smollm2_actor(tmp_path_factory):
     cfg = load_config("tiny_cpu", [
         f"actor.model.path={hf_dir}", "actor.model.arch=null", f"rollout.vllm.python={python}",
         "rollout.name=vllm", "data.max_prompt_length=320", f"data.max_response_length={NEW}",
-        "rollout.vllm.hang_timeout_s=8", "rollout.vllm.cpu_kv_cache_gib=0.5", f"trainer.log_dir={tmp / 'logs'}",
+        "rollout.vllm.cpu_kv_cache_gib=0.5", f"trainer.log_dir={tmp / 'logs'}",
         f"rollout.vllm.weights_dir={tmp / 'shm'}", "cluster.launcher=local", "actor.optim.lr=0.05",
         "cluster.actor.tensor_model_parallel_size=1", "cluster.ref.tensor_model_parallel_size=1"])
     converted_checkpoint(hf_dir, hf_import_cache(cfg))
@@ -139,31 +139,37 @@ def test_sampled_log_probs_are_the_actors_teacher_forced_ones(smollm2_actor):
 
 
 def test_an_update_is_refused_until_synced_then_followed(smollm2_actor):
+    """Both hand-overs (rollout.vllm.weight_transport): safetensors files, then tensors shared with the engine
+    process (shared memory here; CUDA IPC on a GPU)."""
     from megatron_ppo.rollout.weights import StaleWeightsError
 
     group, tok, prompts, _ = smollm2_actor
     worker = group.worker
     params = _params(tok, temperature=1.0)
-    before = worker.engine.generate(prompts[:4], params)
-    old = _teacher_forced(group, prompts[:4], before, 1.0)
-    with torch.no_grad():  # a large step: every weight moves (as an update with a large learning rate would)
-        gen = torch.Generator().manual_seed(0)
-        for p in worker.model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.02 * p.abs().mean())
-    worker.weights_version += 1  # what ActorWorker.update / load_checkpoint do
-    with pytest.raises(StaleWeightsError, match=r"holds weights v\d+, the actor is at v\d+"):
-        worker.engine.generate(prompts[:4], params)
-    start = time.perf_counter()
-    group.call_all("sync_weights")
-    sync_s = time.perf_counter() - start
-    after = worker.engine.generate(prompts[:4], params)
-    new = _teacher_forced(group, prompts[:4], after, 1.0)
-    mask = after.response_mask()
-    assert (new - after.log_probs * mask).abs().max() <= LOGPROB_TOL
-    # ... and the old weights would not have given them: the update moved the log-probs by far more
-    stale = (_teacher_forced(group, prompts[:4], before, 1.0) - old).abs().max()
-    assert stale > 100 * LOGPROB_TOL, stale
-    print(f"sync {sync_s:.2f} s; log-probs moved by {float(stale):.3f}")
+    for transport in ("file", "ipc"):
+        worker.engine.engine_cfg.weight_transport = transport
+        before = worker.engine.generate(prompts[:4], params)
+        old = _teacher_forced(group, prompts[:4], before, 1.0)
+        with torch.no_grad():  # a large step: every weight moves (as an update with a large learning rate would)
+            gen = torch.Generator().manual_seed(0)
+            for p in worker.model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.02 * p.abs().mean())
+        worker.weights_version += 1  # what ActorWorker.update / load_checkpoint do
+        with pytest.raises(StaleWeightsError, match=r"holds weights v\d+, the actor is at v\d+"):
+            worker.engine.generate(prompts[:4], params)
+        start = time.perf_counter()
+        group.call_all("sync_weights")
+        sync_s = time.perf_counter() - start
+        after = worker.engine.generate(prompts[:4], params)
+        new = _teacher_forced(group, prompts[:4], after, 1.0)
+        mask = after.response_mask()
+        assert (new - after.log_probs * mask).abs().max() <= LOGPROB_TOL, transport
+        # ... and the old weights would not have given them: the update moved the log-probs by far more
+        stale = (_teacher_forced(group, prompts[:4], before, 1.0) - old).abs().max()
+        assert stale > 100 * LOGPROB_TOL, (transport, stale)
+        print(f"{transport}: sync {sync_s:.2f} s (export {worker.engine.export_seconds:.2f} s, engine load "
+              f"{worker.engine.load_seconds:.2f} s); log-probs moved by {float(stale):.3f}")
+    worker.engine.engine_cfg.weight_transport = "file"
 
 
 def _engine_pid(worker) -> int:
@@ -186,11 +192,16 @@ def test_a_hung_engine_is_killed_and_named(smollm2_actor):
 
     group, tok, prompts, _ = smollm2_actor
     pid = _engine_pid(group.worker)
+    group.worker.engine.engine_cfg.hang_timeout_s = 5
     os.kill(pid, signal.SIGSTOP)
     start = time.monotonic()
-    with pytest.raises(WorkerGroupError, match=r"vLLM engine of actor replica dp0 \(pid \d+\) hung"):
-        group.call_rows("generate", {"prompt_ids": prompts[:2]}, [10, 10], _params(tok), 1)
-    assert time.monotonic() - start < 8 + 15  # hang_timeout_s + polling and the kill
+    try:
+        with pytest.raises(WorkerGroupError, match=r"vLLM engine of actor replica dp0 \(pid \d+\) hung: no answer "
+                                                   r"to 'generate' for 5 s"):
+            group.call_rows("generate", {"prompt_ids": prompts[:2]}, [10, 10], _params(tok), 1)
+    finally:
+        group.worker.engine.engine_cfg.hang_timeout_s = 30.0
+    assert time.monotonic() - start < 5 + 15  # hang_timeout_s + polling and the kill
     assert _gone(pid)
 
 

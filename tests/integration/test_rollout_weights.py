@@ -129,3 +129,40 @@ def test_sharded_actor_exports_the_same_weights(dist_pool2, hf_models, tmp_path,
     finish_sync(str(tmp_path), 9, r0 + r1, arch_from_hf_config(hf_dir))
     got, _ = read_weights(str(tmp_path), 9)
     _assert_same(got, _hf_tensors(hf_dir))
+
+
+def _rebuild_elsewhere(handles) -> dict:
+    """The shared tensors as another interpreter on this node rebuilds them (what the vLLM process does)."""
+    import pickle
+    import subprocess
+    import sys
+
+    script = ("import pickle, sys, torch, torch.multiprocessing as mp\n"
+              "mp.set_sharing_strategy('file_system')\n"
+              "pairs = pickle.loads(sys.stdin.buffer.read())\n"
+              "sys.stdout.buffer.write(pickle.dumps({n: fn(*a).clone() for n, (fn, a) in pairs}))\n")
+    out = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(handles), capture_output=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    return pickle.loads(out.stdout)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_shared_weights_are_the_export_and_never_the_live_parameters(megatron_single, hf_models, kind):
+    """weight_transport=ipc: the handles another process opens are the HF checkpoint's tensors; changing the model
+    afterwards does not change what was shared (a copy, not the parameters)."""
+    from megatron_ppo.rollout.weights import check_complete, share_weights
+
+    hf_dir, cache = hf_models[kind]
+    model, arch = _actor(hf_dir, cache)
+    handles, keep = share_weights(model)
+    check_complete([name for name, _ in handles], arch, 1, "test")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    _assert_same(_rebuild_elsewhere(handles), _hf_tensors(hf_dir))
+    with pytest.raises(ValueError, match=r"repeated \['model.norm.weight'\]"):
+        check_complete([name for name, _ in handles] + ["model.norm.weight"], arch, 1, "test")
+    with pytest.raises(ValueError, match="missing"):
+        check_complete([name for name, _ in handles][1:], arch, 1, "test")
+    del keep

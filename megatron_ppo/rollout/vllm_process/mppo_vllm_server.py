@@ -4,15 +4,16 @@ megatron_ppo/rollout/vllm.py; it imports nothing of megatron_ppo (that venv has 
     <vllm-venv>/bin/python mppo_vllm_server.py <fd>
 
 ``fd`` is this end of a socketpair with the actor rank that started it. Messages are pickled dicts
-(multiprocessing.connection): {"op": "start" | "load" | "generate" | "ping" | "exit", ...} -> {"ok": True, ...} or
+(multiprocessing.connection): {"op": "start" | "load" | "load_shared" | "generate" | "ping" | "exit", ...} -> {"ok": True, ...} or
 {"ok": False, "error": "..."}; while generating it sends {"heartbeat": tokens_so_far} after every engine step that
 ends more than ``heartbeat_s`` after the last, so the rank can tell a hung engine from a long rollout.
 
 The process ends when the rank asks, when the socket closes (the rank died) or when its parent changes (ditto).
-Weights arrive by file: the versioned directory rollout/weights.py writes (safetensors + sync.json); this process
-checks the version it is told to load against the manifest, loads in place (``reload_weights`` with an iterator:
-vLLM re-runs its post-load processing, e.g. the CPU's oneDNN repacking) and re-ties a tied lm_head, which the
-reload leaves pointing at the old embedding.
+Weights arrive by file (the versioned directory rollout/weights.py writes: safetensors + sync.json; the version
+asked for is checked against the manifest) or as shared tensors (``load_shared``: CUDA IPC handles on a GPU,
+shared memory on the CPU; rollout.vllm.weight_transport=ipc). Either way they are loaded in place
+(``reload_weights`` with an iterator: vLLM re-runs its post-load processing, e.g. the CPU's oneDNN repacking) and
+a tied lm_head is re-tied and re-processed (without it the head keeps the old embedding's packed weights).
 """
 from __future__ import annotations
 
@@ -44,13 +45,27 @@ class WeightSync:
                         yield key, f.get_tensor(key)
 
         self.reload_weights(weights_iterator=tensors())
-        if manifest.get("tie_word_embeddings"):
+        self._retie(bool(manifest.get("tie_word_embeddings")))
+        self.mppo_version = version
+        return version
+
+    def mppo_load_shared(self, tensors: list, version: int, tie_word_embeddings: bool) -> int:
+        """The same load from tensors shared by the actor's ranks (rollout.vllm.weight_transport=ipc): each is
+        rebuilt from its handle (CUDA IPC on a GPU, shared memory on the CPU) as vLLM's loader asks for it."""
+        import torch.multiprocessing as mp
+
+        mp.set_sharing_strategy("file_system")
+        self.reload_weights(weights_iterator=((name, fn(*args)) for name, (fn, args) in tensors))
+        self._retie(tie_word_embeddings)
+        self.mppo_version = version
+        return version
+
+    def _retie(self, tied: bool) -> None:
+        if tied:
             model = self.model_runner.get_model()
             head, embed = model.lm_head, model.model.embed_tokens
             head.weight = embed.weight
             head.quant_method.process_weights_after_loading(head)  # CPU: the packed GEMM handle of the new weight
-        self.mppo_version = version
-        return version
 
     def mppo_version_loaded(self) -> int:
         return getattr(self, "mppo_version", -1)
@@ -108,6 +123,13 @@ class Server:
         self.version = msg["version"]
         return {"version": self.version}
 
+    def load_shared(self, msg: dict) -> dict:
+        got = self.llm.collective_rpc("mppo_load_shared", args=(msg["tensors"], msg["version"], msg["tie"]))
+        if set(got) != {msg["version"]}:
+            raise RuntimeError(f"vLLM workers loaded versions {got}, asked for {msg['version']}")
+        self.version = msg["version"]
+        return {"version": self.version}
+
     def generate(self, msg: dict) -> dict:
         if msg["version"] != self.version:
             raise RuntimeError(f"stale weights: the engine holds sync version {self.version}, the actor is at "
@@ -160,6 +182,8 @@ class Server:
                     reply = self.start(msg)
                 elif op == "load":
                     reply = self.load(msg)
+                elif op == "load_shared":
+                    reply = self.load_shared(msg)
                 elif op == "generate":
                     reply = self.generate(msg)
                 else:
