@@ -40,6 +40,14 @@ READ_ON_ANOTHER_PATH = {
     # max_<role>_ckpt_to_keep of every trained role (roles.py)
     "trainer.max_actor_ckpt_to_keep": ("megatron_ppo/trainer/ppo.py", 'getattr(t, f"max_{role}_ckpt_to_keep")'),
     "trainer.max_critic_ckpt_to_keep": ("megatron_ppo/trainer/ppo.py", 'getattr(t, f"max_{role}_ckpt_to_keep")'),
+    # rollout.name=vllm needs the vLLM venv: tests/integration/test_ppo_vllm.py and test_rollout_vllm.py run it
+    **{f"rollout.vllm.{key}": ("megatron_ppo/rollout/vllm.py", text) for key, text in {
+        "python": "engine_cfg.python or", "tensor_model_parallel_size": "e.tensor_model_parallel_size",
+        "gpu_memory_utilization": "e.gpu_memory_utilization if on_gpu", "cpu_kv_cache_gib": "e.cpu_kv_cache_gib",
+        "max_num_seqs": "e.max_num_seqs", "enforce_eager": "e.enforce_eager",
+        "weight_transport": "self.engine_cfg.weight_transport", "bucket_mb": "self.engine_cfg.bucket_mb",
+        "weights_dir": "engine_cfg.weights_dir", "start_timeout_s": "e.start_timeout_s",
+        "hang_timeout_s": "self.engine_cfg.hang_timeout_s"}.items()},
 }
 
 COMMON = {"trainer.total_training_steps": 1, "trainer.test_freq": 1, "trainer.val_before_train": "true",

@@ -15,16 +15,19 @@ from megatron_ppo.rollout.source import OfflineSource, sampling_params
 from megatron_ppo.workers.update import UpdateResult
 
 
-def test_one_engine_today_chosen_by_rollout_name():
+def test_engines_chosen_by_rollout_name():
     from megatron_ppo.rollout.generation import DecodeOptions
     from megatron_ppo.rollout.megatron import MegatronEngine
+    from megatron_ppo.rollout.vllm import VllmEngine
 
-    assert list(ENGINES) == ["megatron"] and load_config("tiny_cpu", []).rollout.name == "megatron"
+    assert list(ENGINES) == ["megatron", "vllm"] and load_config("tiny_cpu", []).rollout.name == "megatron"
     engine = MegatronEngine(lambda: None, DecodeOptions())
     assert isinstance(engine, RolloutEngine)
     assert engine.sync_weights() is None  # shares the actor's weights: nothing to copy
-    with pytest.raises(ValueError, match=r"rollout.name='vllm': no such rollout engine; choose one of \['megatron'\]"):
-        build_engine("vllm", None, None)
+    assert all(callable(getattr(VllmEngine, m, None)) for m in ("generate", "sync_weights", "close"))
+    with pytest.raises(ValueError, match=r"rollout.name='sglang': no such rollout engine; choose one of "
+                                         r"\['megatron', 'vllm'\]"):
+        build_engine("sglang", None, None)
     with pytest.raises(ConfigError, match="rollout.name"):
         load_config("tiny_cpu", ["rollout.name=sglang"])
 
