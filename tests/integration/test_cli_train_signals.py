@@ -10,23 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
-from megatron_ppo.testing.processes import process_tree
 import pytest
 
+from megatron_ppo.testing.processes import process_tree, still_alive, wait_for_line
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _alive(procs: list[psutil.Process]) -> list[str]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{p.pid} {p.name()}")
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 @pytest.mark.slow
@@ -43,13 +31,7 @@ def test_train_signal_is_short_and_leaves_no_process(tmp_path, sig, code):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     tree = []
     try:
-        deadline = time.monotonic() + 600
-        for line in proc.stdout:  # wait until training runs (the first step line)
-            if line.startswith("step 1/"):
-                break
-            assert time.monotonic() < deadline
-        else:
-            pytest.fail(f"the run ended before its first step: {proc.wait()} {proc.stderr.read()[-3000:]}")
+        wait_for_line(proc, "step 1/")  # training runs
         tree = process_tree(proc.pid)
         assert len(tree) > 1  # Ray's processes and the ranks
         os.kill(proc.pid, sig)
@@ -62,6 +44,6 @@ def test_train_signal_is_short_and_leaves_no_process(tmp_path, sig, code):
     ours = [line for line in stderr.splitlines() if line.startswith("megatron-ppo train:")]
     assert 1 <= len(ours) <= 3 and signal.Signals(sig).name in ours[0], stderr[-2000:]
     deadline = time.monotonic() + 30
-    while _alive(tree) and time.monotonic() < deadline:
+    while still_alive(tree) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _alive(tree) == [], "processes of the run still alive"
+    assert still_alive(tree) == [], "processes of the run still alive"

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_ppo.testing.processes import process_tree
+from megatron_ppo.testing.processes import process_tree, still_alive, wait_for_line
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_env import vllm_python  # noqa: E402
@@ -43,17 +43,6 @@ def _engines() -> list[psutil.Process]:
     return out
 
 
-def _alive(procs) -> list[str]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{p.pid} {p.name()}")
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def test_ppo_with_vllm_stays_on_policy(tmp_path):
     run = subprocess.run(_command(tmp_path, 4), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -74,13 +63,7 @@ def test_a_killed_engine_ends_the_run_within_60_s_naming_it(tmp_path):
                             text=True, start_new_session=True)
     tree = []
     try:
-        deadline = time.monotonic() + 600
-        for line in proc.stdout:  # training runs: the engine serves rollouts
-            if line.startswith("step 2/"):
-                break
-            assert time.monotonic() < deadline
-        else:
-            pytest.fail(f"the run ended before its second step: {proc.wait()} {proc.stderr.read()[-3000:]}")
+        wait_for_line(proc, "step 2/")  # training runs: the engine serves rollouts
         tree = process_tree(proc.pid)
         engines = [p for p in _engines() if p.pid in {q.pid for q in tree}]
         assert len(engines) == 1, engines
@@ -95,4 +78,4 @@ def test_a_killed_engine_ends_the_run_within_60_s_naming_it(tmp_path):
     assert took < 60, took
     assert "vLLM engine of actor replica dp0" in stderr and "died" in stderr, stderr[-3000:]
     time.sleep(2)
-    assert not _alive(tree), _alive(tree)
+    assert still_alive(tree) == [], still_alive(tree)

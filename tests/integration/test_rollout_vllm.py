@@ -20,6 +20,7 @@ import torch
 
 from megatron_ppo.config import load_config
 from megatron_ppo.rollout import SamplingParams
+from megatron_ppo.testing.processes import wait_gone
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_env import vllm_python  # noqa: E402
@@ -176,17 +177,6 @@ def _engine_pid(worker) -> int:
     return worker.engine.process.pid
 
 
-def _gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_a_hung_engine_is_killed_and_named(smollm2_actor):
     from megatron_ppo.distributed.group import WorkerGroupError
 
@@ -202,7 +192,7 @@ def test_a_hung_engine_is_killed_and_named(smollm2_actor):
     finally:
         group.worker.engine.engine_cfg.hang_timeout_s = 30.0
     assert time.monotonic() - start < 5 + 15  # hang_timeout_s + polling and the kill
-    assert _gone(pid)
+    assert wait_gone(pid)
 
 
 def test_a_killed_engine_is_named_and_a_restart_is_not_silent(smollm2_actor, tmp_path):
@@ -220,7 +210,7 @@ def test_a_killed_engine_is_named_and_a_restart_is_not_silent(smollm2_actor, tmp
     with pytest.raises(WorkerGroupError, match=r"vLLM engine of actor replica dp0 \(pid \d+\) (died|is not running)"):
         group.call_rows("generate", {"prompt_ids": prompts[:2]}, [10, 10], _params(tok), 1)
     assert time.monotonic() - start < 5
-    assert _gone(pid)
+    assert wait_gone(pid)
 
 
 def test_an_engine_that_cannot_start_is_an_error_naming_it(smollm2_actor):
@@ -236,6 +226,6 @@ def test_an_engine_that_cannot_start_is_an_error_naming_it(smollm2_actor):
                            r"ModuleNotFoundError: No module named 'vllm'"):
             engine.generate(prompts[:2], _params(tok))
         assert time.monotonic() - start < 30
-        assert _gone(engine.process.pid)
+        assert wait_gone(engine.process.pid)
     finally:
         engine.engine_cfg.python = str(vllm_python())

@@ -20,17 +20,7 @@ from megatron_ppo.config import load_config
 from megatron_ppo.config.io import ConfigError
 from megatron_ppo.rollout import SamplingParams
 from megatron_ppo.rollout.vllm import EngineError, EngineProcess, logprobs_mode, to_output
-
-
-def _gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
+from megatron_ppo.testing.processes import wait_gone
 
 
 @pytest.fixture
@@ -47,28 +37,21 @@ def test_the_server_answers_and_exits_when_asked(server):
     with pytest.raises(EngineError, match=r"dp3 \(pid \d+\) failed in 'generate': RuntimeError: stale weights"):
         server.call({"op": "generate", "version": 5, "prompts": [], "sampling": {}, "call": 1,
                      "heartbeat_s": 1}, 30)
-    assert _gone(server.pid)  # a failed engine is not reused
+    assert wait_gone(server.pid)  # a failed engine is not reused
 
 
-def test_a_hung_server_is_killed_and_named(server):
+@pytest.mark.parametrize("sig, timeout, says, within", [
+    (signal.SIGSTOP, 2, r"hung: no answer to 'ping' for 2 s", 2 + 8),  # the timeout, then the kill (busy machine)
+    (signal.SIGKILL, 30, r"(died during 'ping'|is not running) \(exit code -9, signal SIGKILL\)", 8),  # at once
+])
+def test_a_hung_or_killed_server_is_named_and_gone(server, sig, timeout, says, within):
     server.call({"op": "ping"}, 30)
-    os.kill(server.pid, signal.SIGSTOP)
+    os.kill(server.pid, sig)
     start = time.monotonic()
-    with pytest.raises(EngineError, match=r"vLLM engine of actor replica dp3 \(pid \d+\) hung: no answer to 'ping' "
-                                          r"for 2 s"):
-        server.call({"op": "ping"}, 2)
-    assert time.monotonic() - start < 2 + 8  # the timeout, then polling and the kill on a busy machine
-    assert _gone(server.pid)
-
-
-def test_a_killed_server_is_named_at_once(server):
-    server.call({"op": "ping"}, 30)
-    os.kill(server.pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(EngineError, match=r"dp3 \(pid \d+\) (died during 'ping'|is not running) \(exit code -9, "
-                                          r"signal SIGKILL\)"):
-        server.call({"op": "ping"}, 30)
-    assert time.monotonic() - start < 8  # at once: not the 30 s timeout
+    with pytest.raises(EngineError, match=r"vLLM engine of actor replica dp3 \(pid \d+\) " + says):
+        server.call({"op": "ping"}, timeout)
+    assert time.monotonic() - start < within
+    assert wait_gone(server.pid)
 
 
 def test_the_server_ends_with_its_rank(tmp_path):
@@ -83,7 +66,7 @@ def test_the_server_ends_with_its_rank(tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     pid = int(out.stdout.split()[0])
-    assert _gone(pid, timeout=10)
+    assert wait_gone(pid, timeout=10)
 
 
 def test_answers_become_what_the_megatron_engine_returns():
