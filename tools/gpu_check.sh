@@ -23,12 +23,16 @@
 #   8 ppo_step   megatron_ppo/testing/gpu_step.py: bf16 PPO steps of a 0.5 B Qwen2-shaped model, actor + critic +
 #                ref through the real workers in one process (launcher=local, device=cuda): step time, tokens/s, MFU
 #   9 bench      tools/bench_kernels.py --device cuda
+#  10 vllm       rollout.name=vllm vs megatron: the same PPO step (gpu_step --engine) at 256 prompts x 512 tokens,
+#                generation tokens/s of each (issue 25's goal: vLLM >= 3x ours); skipped when the image has no
+#                vLLM (the device has no network for make setup-vllm). Over the 480 s of a full run it is left out
+#                of time: run it alone in a second call, GPU_CHECK_ONLY=vllm GPU_CHECK_BUDGET_S=420.
 # (the brief's stage 4 is split into parity and models, so that each has its own budget)
 #
 # Results in $RESULTS_DIR (default: $OUT on the device machine, else ./gpu_check_results), at most 8 files, no
 # folders (the device tool returns 8 files): gpu_check.log (this console), summary.md, results.json (stages, env,
 # every measurement), logs.tar.gz (one log per stage, junit XML, sanitizer and build logs), ppo_step.json,
-# kernels_gpu.md.
+# kernels_gpu.md, engines.json (stage vllm: both engines' gpu_step results).
 #
 # Usage: tools/gpu_check.sh [--dry-run] [--only "parity sanitizer ..."]
 #        tools/gpu_check.sh --record DIR [--out docs/bench/gpu.md] [--kernels-page docs/bench/kernels.md]
@@ -45,12 +49,12 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SCRIPT="$ROOT/tools/gpu_check.sh"
 cd "$ROOT" || exit 2
 
-STAGES=(env deps build parity models sanitizer nccl ppo_step bench)
+STAGES=(env deps build parity models sanitizer nccl ppo_step bench vllm)
 # Per-stage budgets (s). They add up to more than the whole run's 480 s on purpose: each is a stage's ceiling, and a
 # stage gets at most what is left of the 480 s (minus RESERVE_S); expected on an H200 about 330 s in all (build ~60-90,
 # parity ~60, models ~30, sanitizer ~50, nccl ~15, ppo_step ~70, bench ~40).
 declare -A BUDGET=([env]=30 [deps]=40 [build]=180 [parity]=100 [models]=75 [sanitizer]=100 [nccl]=45 [ppo_step]=150
-                   [bench]=75)
+                   [bench]=75 [vllm]=360)
 declare -A WHAT=(
   [env]="environment report"
   [deps]="megatron-core from the carried wheels"
@@ -61,6 +65,7 @@ declare -A WHAT=(
   [nccl]="NCCL world of 2 processes on the one GPU"
   [ppo_step]="bf16 PPO steps, 0.5 B model, actor + critic + ref in one process: step time, tokens/s, MFU"
   [bench]="tools/bench_kernels.py --device cuda"
+  [vllm]="generation tokens/s, rollout.name=vllm vs megatron, 0.5 B model, 256 x 512"
 )
 ALWAYS=" env deps build "  # prerequisites: run even when --only names other stages
 RESERVE_S=10               # kept for the summary, the report and the log archive
@@ -283,6 +288,25 @@ stage_bench() {
   "$PY" tools/bench_kernels.py --device cuda --out "$RESULTS/kernels_gpu.md" || fail "bench_kernels"
 }
 
+stage_vllm() {
+  local eng args=(--batch 256 --response-length 512 --steps 2)
+  if [ "$DRY" = 1 ]; then
+    for eng in megatron vllm; do
+      "$PY" -m megatron_ppo.testing.gpu_step --dry-run --engine "$eng" "${args[@]}" > /dev/null \
+        || fail "gpu_step --engine $eng config"
+    done
+    skip "no GPU (both engines' configs built and validated)"
+  fi
+  need deps "megatron-core not importable"
+  "$PY" -c "import vllm" 2> /dev/null || skip "vLLM is not installed in the image's Python (no network here)"
+  for eng in megatron vllm; do
+    "$PY" -m megatron_ppo.testing.gpu_step --engine "$eng" "${args[@]}" --out "$WORK/engine_$eng.json" \
+      --workdir "$WORK/ppo_$eng" || fail "PPO steps with rollout.name=$eng"
+  done
+  "$PY" tools/gpu_check_report.py engines "$WORK/engine_megatron.json" "$WORK/engine_vllm.json" \
+    --out "$RESULTS/engines.json" || fail "engines.json"
+}
+
 # ------------------------------------------------------------------------------------------------ driver
 run_all() {
   local start=$SECONDS n=0 name t left log rc dt st ok=0 failed=0 skipped=0
@@ -322,7 +346,7 @@ run_all() {
   local elapsed=$((SECONDS - start))
   "$PY" tools/gpu_check_report.py summarize --work "$WORK" --results "$RESULTS" --elapsed "$elapsed" \
     --budget "$TOTAL_BUDGET" --dry-run "$DRY" > /dev/null || echo "(summary.md / results.json not written)"
-  tar -czf "$RESULTS/logs.tar.gz" -C "$WORK" --exclude ./site --exclude ./ppo . 2> /dev/null \
+  tar -czf "$RESULTS/logs.tar.gz" -C "$WORK" --exclude ./site --exclude ./ppo --exclude './ppo_*' . 2> /dev/null \
     || echo "(logs.tar.gz not written)"
   echo
   echo "gpu_check summary:"

@@ -97,6 +97,7 @@ def summarize(args) -> int:
         "sanitizer": {tool: sanitizer_summary(logs / f"sanitizer_{tool}.log") for tool in ("memcheck", "racecheck")},
         "nccl": read_json(work / "nccl.json"),
         "ppo_step": read_json(results / "ppo_step.json") or read_json(work / "ppo_step_dry.json"),
+        "engines": read_json(results / "engines.json"),
         "kernels_gpu_md": (results / "kernels_gpu.md").is_file(),
     }
     (results / "results.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
@@ -182,7 +183,22 @@ def summary_markdown(r: dict) -> str:
     lines.append("")
     if r.get("ppo_step"):
         lines += ["## PPO step", ""] + ppo_lines(r["ppo_step"]) + [""]
+    if r.get("engines"):
+        lines += ["## Rollout engines (stage vllm)", ""] + engine_lines(r["engines"]) + [""]
     return "\n".join(lines) + "\n"
+
+
+def engine_lines(e: dict) -> list[str]:
+    rows = ["| engine | generation tokens/s | gen s/step | sync_weights s/step | step s |", "|---|---:|---:|---:|---:|"]
+    for name in ("megatron", "vllm"):
+        p = e[name]
+        t = p["timing_s"]
+        rows.append(f"| {name} | {p['gen_tokens_per_s']:.0f} | {t.get('gen', 0):.2f} | {t.get('sync_weights', 0):.3f} "
+                    f"| {p['step_s']:.2f} |")
+    p = e["megatron"]
+    return rows + ["", f"{p['arch']} ({p['dtype']}), {p['batch']} prompts x {p['response_length']} response tokens, "
+                   f"median of the steps after the first: vLLM / Megatron engine = "
+                   f"**{e['vllm_over_megatron_gen']:.2f}x** (issue 25's goal: >= 3x)."]
 
 
 # ---------------------------------------------------------------------------------------------- docs page
@@ -203,9 +219,12 @@ def placeholder(args) -> int:
                              "of the run's 480 s; about 330 s are expected in all):", "",
                              "| # | stage | what | budget (s) |", "|---:|---|---|---:|"]
     lines += [f"| {n} | {name} | {what} | {budget} |" for n, (name, budget, what) in enumerate(stage_list(), 1)]
-    lines += ["", "Results come back as six files: `gpu_check.log` (the console), `summary.md`, `results.json`, "
-              "`logs.tar.gz` (a log per stage, junit XML, sanitizer and build logs), `ppo_step.json` and "
-              "`kernels_gpu.md`. The PPO step reports its step time, tokens/s and MFU = 6 x parameters x tokens / "
+    lines += ["", "Results come back as up to seven files: `gpu_check.log` (the console), `summary.md`, "
+              "`results.json`, `logs.tar.gz` (a log per stage, junit XML, sanitizer and build logs), `ppo_step.json`, "
+              "`kernels_gpu.md` and `engines.json` (stage vllm, run alone: `GPU_CHECK_ONLY=vllm "
+              "GPU_CHECK_BUDGET_S=420 bash tools/gpu_check.sh`: the same PPO step with rollout.name=megatron and "
+              "=vllm at 256 prompts x 512 tokens, generation tokens/s of each; it needs vLLM in the image). The PPO "
+              "step reports its step time, tokens/s and MFU = 6 x parameters x tokens / "
               "step time / 989 TFLOP/s (the H200's dense bf16 datasheet peak), beside the actor update's own MFU "
               "and an all-passes FLOP count; the NCCL stage records NCCL's answer to two ranks on one GPU (it "
               "normally refuses them: 'Duplicate GPU detected')."]
@@ -248,6 +267,19 @@ def record(args) -> int:
     return 0
 
 
+def engines(args) -> int:
+    """Stage vllm: both engines' gpu_step results in one file, and the generation speed ratio (issue 25's goal:
+    vLLM >= 3x the Megatron engine at 256 x 512)."""
+    ours, vllm = (json.loads(Path(p).read_text()) for p in (args.megatron, args.vllm))
+    ratio = vllm["gen_tokens_per_s"] / ours["gen_tokens_per_s"]
+    Path(args.out).write_text(json.dumps({"megatron": ours, "vllm": vllm, "vllm_over_megatron_gen": ratio},
+                                         indent=1, default=str) + "\n")
+    print(f"generation at {ours['batch']} x {ours['response_length']}: megatron {ours['gen_tokens_per_s']:.0f} "
+          f"tokens/s, vllm {vllm['gen_tokens_per_s']:.0f} tokens/s: {ratio:.2f}x (goal >= 3x); vllm weight sync "
+          f"{vllm['timing_s'].get('sync_weights', float('nan')):.2f} s per step")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -263,8 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--kernels-page", default=str(KERNELS_PAGE), help="'' leaves the kernels page alone")
     ph = sub.add_parser("placeholder")
     ph.add_argument("--out", default=str(PAGE))
+    e = sub.add_parser("engines")
+    e.add_argument("megatron")
+    e.add_argument("vllm")
+    e.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    return {"summarize": summarize, "record": record, "placeholder": placeholder}[args.cmd](args)
+    return {"summarize": summarize, "record": record, "placeholder": placeholder, "engines": engines}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -133,8 +133,10 @@ def prepare_inputs(workdir: str | Path, vocab_size: int, seed: int = 0) -> tuple
 # ---------------------------------------------------------------------------------------------- config
 
 def overrides(workdir: str | Path, *, arch_name: str = "qwen2-0.5b", device: str = "cuda", steps: int = 3,
-              batch: int = 64, response_length: int = 256, micro_batch: int = 16, dtype: str = "bfloat16") -> list[str]:
-    """Dotted overrides of configs/tiny_cpu.yaml: the arch, bf16 for every role, one in-process rank per role."""
+              batch: int = 64, response_length: int = 256, micro_batch: int = 16, dtype: str = "bfloat16",
+              engine: str = "megatron") -> list[str]:
+    """Dotted overrides of configs/tiny_cpu.yaml: the arch, bf16 for every role, one in-process rank per role, the
+    rollout engine (vllm: the vLLM of this interpreter, as a GPU image has it)."""
     wd = Path(workdir)
     values = {
         "data.preprocess.output_dir": wd / "data", "data.preprocess.build_tokenizer": "false",
@@ -154,7 +156,10 @@ def overrides(workdir: str | Path, *, arch_name: str = "qwen2-0.5b", device: str
         "trainer.experiment_name": "gpu_check_ppo_step",
         "cluster.launcher": "local", "cluster.device": device, "cluster.n_gpus_per_node": 1,
         "cluster.actor.tensor_model_parallel_size": 1, "cluster.ref.tensor_model_parallel_size": 1,
+        "rollout.name": engine,
     }
+    if engine == "vllm":
+        values.update({"rollout.vllm.python": sys.executable, "rollout.vllm.weights_dir": wd / "vllm_weights"})
     return [f"{k}={v}" for k, v in values.items()]
 
 
@@ -183,6 +188,7 @@ def summarize(history: list[dict], actor_params: int, critic_params: int, cfg, p
         "steps_measured": len(timed), "warmup_steps_excluded": len(history) - len(timed),
         "step_s": step_s, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
         "response_tokens_per_step": resp_tokens,
+        "gen_tokens_per_s": resp_tokens / med("timing/gen"),  # generated tokens over the rollout phase's seconds
         "timing_s": {k.split("/", 1)[1]: med(k) for k in sorted(history[-1]) if k.startswith("timing/")},
         "peak_flops": peak,
         "mfu_6nt_step": mfu(actor_params, tokens, step_s, peak),
@@ -195,7 +201,7 @@ def summarize(history: list[dict], actor_params: int, critic_params: int, cfg, p
 
 def run(workdir: str | Path, *, arch_name: str = "qwen2-0.5b", device: str = "cuda", steps: int = 3,
         batch: int = 64, response_length: int = 256, micro_batch: int = 16, peak: float = H200_BF16_PEAK_FLOPS,
-        dtype: str = "bfloat16") -> dict:
+        dtype: str = "bfloat16", engine: str = "megatron") -> dict:
     """Build the components from the config and run ``steps`` PPO steps through PPOTrainer.fit; returns the
     results (see summarize) with the per-step metrics."""
     import torch
@@ -210,7 +216,7 @@ def run(workdir: str | Path, *, arch_name: str = "qwen2-0.5b", device: str = "cu
     t0 = time.perf_counter()
     prepare_inputs(workdir, model_arch.vocab_size)
     cfg = build_config(workdir, arch_name=arch_name, device=device, steps=steps, batch=batch,
-                       response_length=response_length, micro_batch=micro_batch, dtype=dtype)
+                       response_length=response_length, micro_batch=micro_batch, dtype=dtype, engine=engine)
     check_device(cfg, torch.cuda.is_available())
     t_inputs = time.perf_counter() - t0
     parts = build_components(cfg)
@@ -230,7 +236,8 @@ def run(workdir: str | Path, *, arch_name: str = "qwen2-0.5b", device: str = "cu
         "dtype": dtype, "device": torch.cuda.get_device_name() if on_cuda else "cpu",
         "transformer_impl": resolve_transformer_impl("auto", torch_dtype),
         "ops_backend": ops.backend("cuda" if on_cuda else "cpu"),
-        "torch": torch.__version__, "batch": batch, "response_length": response_length, "micro_batch": micro_batch,
+        "torch": torch.__version__, "engine": engine, "batch": batch, "response_length": response_length,
+        "micro_batch": micro_batch,
         "steps": steps, "inputs_s": t_inputs, "build_s": t_build,
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None,
         "history": [{k: v for k, v in h.items() if k.startswith(keep)} for h in history],
@@ -246,7 +253,8 @@ def describe(result: dict) -> str:
             f"step {result['step_s']:.2f} s (median of {result['steps_measured']}; gen {t.get('gen', 0):.2f}, "
             f"old_log_prob {t.get('old_log_prob', 0):.2f}, update_critic {t.get('update_critic', 0):.2f}, "
             f"update_actor {t.get('update_actor', 0):.2f}), {result['tokens_per_step']:.0f} tokens/step, "
-            f"{result['tokens_per_s']:.0f} tokens/s; MFU (6*N*tokens/step) {result['mfu_6nt_step']:.2%}, "
+            f"{result['tokens_per_s']:.0f} tokens/s (generation, {result['engine']} engine: "
+            f"{result['gen_tokens_per_s']:.0f} tokens/s); MFU (6*N*tokens/step) {result['mfu_6nt_step']:.2%}, "
             f"actor update {result['mfu_actor_update']:.2%}, all passes {result['mfu_all_passes_step']:.2%} "
             f"of {result['peak_flops'] / 1e12:.0f} TFLOP/s")
 
@@ -256,10 +264,11 @@ def dry_run(args) -> dict:
     model_arch = arch(args.arch)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = build_config(tmp, arch_name=args.arch, device=args.device, steps=args.steps, batch=args.batch,
-                           response_length=args.response_length, micro_batch=args.micro_batch)
+                           response_length=args.response_length, micro_batch=args.micro_batch, engine=args.engine)
     n = params(model_arch)
     tokens = args.batch * (40 + args.response_length)  # ~40 prompt tokens per arithmetic prompt
-    out = {"arch": args.arch, "actor_params": n, "arch_num_parameters": model_arch.num_parameters(),
+    out = {"arch": args.arch, "engine": cfg.rollout.name, "actor_params": n,
+           "arch_num_parameters": model_arch.num_parameters(),
            "roles": cfg.roles, "launcher": cfg.cluster.launcher, "device": cfg.cluster.device,
            "dtype": cfg.actor.model.dtype, "peak_flops": args.peak_tflops * 1e12,
            "flops_per_step_estimate": step_model_flops(n, params(model_arch, "critic"), tokens,
@@ -280,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64, help="prompts per step (rollout.n = 1)")
     p.add_argument("--response-length", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--engine", choices=["megatron", "vllm"], default="megatron", help="rollout.name")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_FLOPS / 1e12)
     p.add_argument("--workdir", help="inputs and run logs (default: a temporary directory)")
     p.add_argument("--out", help="write the results JSON here")
@@ -292,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or tempfile.mkdtemp(prefix="gpu_step_")
         result = run(workdir, arch_name=args.arch, device=args.device, steps=args.steps, batch=args.batch,
                      response_length=args.response_length, micro_batch=args.micro_batch,
-                     peak=args.peak_tflops * 1e12, dtype="bfloat16" if args.device == "cuda" else "float32")
+                     peak=args.peak_tflops * 1e12, dtype="bfloat16" if args.device == "cuda" else "float32",
+                     engine=args.engine)
         print(describe(result), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

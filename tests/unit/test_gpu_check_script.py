@@ -41,7 +41,7 @@ def check_script(path: Path) -> list[str]:
 def test_the_script_parses_and_names_its_stages():
     assert check_script(SCRIPT) == []
     assert check_script(ROOT / "tools" / "gpu_check_prepare.sh") == []
-    assert stages() == ["env", "deps", "build", "parity", "models", "sanitizer", "nccl", "ppo_step", "bench"]
+    assert stages() == ["env", "deps", "build", "parity", "models", "sanitizer", "nccl", "ppo_step", "bench", "vllm"]
     header = SCRIPT.read_text()[:3000]
     assert 'run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=600)' in header
 
@@ -88,7 +88,7 @@ def test_dry_run_runs_every_stage_cpu_side_and_prints_the_summary(tmp_path):
     assert [s["name"] for s in results["stages"]] == names and results["dry_run"] is True
     assert results["ppo_step"]["actor_params"] == gpu_step.QWEN2_0P5B_PARAMS
     assert {p.name for p in tmp_path.iterdir()} <= {"gpu_check.log", "summary.md", "results.json", "logs.tar.gz",
-                                                     "ppo_step.json", "kernels_gpu.md"}  # <= 8 files come back
+                                                     "ppo_step.json", "kernels_gpu.md", "engines.json"}  # <= 8 files
 
 
 def test_qwen2_0p5b_parameter_count_is_the_planners_and_the_published_one():
@@ -197,7 +197,8 @@ def fake_device_results(tmp_path: Path) -> Path:
     rows = [("env", "ok", 4, 30), ("deps", "ok", 3, 40), ("build", "ok", 71, 180), ("parity", "ok", 52, 100),
             ("models", "ok", 31, 75), ("sanitizer", "FAILED (exit 1)", 60, 90),
             ("nccl", "skipped: NCCL refuses two ranks of one communicator on one GPU: Duplicate GPU detected", 12, 45),
-            ("ppo_step", "ok", 88, 150), ("bench", "timed out after 39s", 39, 39)]
+            ("ppo_step", "ok", 88, 150), ("bench", "timed out after 39s", 39, 39),
+            ("vllm", "skipped: vLLM is not installed in the image's Python (no network here)", 1, 360)]
     (work / "stages.tsv").write_text("".join("\t".join(map(str, r)) + "\n" for r in rows))
     (work / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "python": "3.12.3",
                                                "megatron_core": "0.16.1", "transformer_engine": "not installed"}))
@@ -226,7 +227,7 @@ def fake_device_results(tmp_path: Path) -> Path:
 def test_record_writes_the_gpu_page_from_a_device_run(tmp_path):
     res = fake_device_results(tmp_path)
     results = json.loads((res / "results.json").read_text())
-    assert results["counts"] == {"ok": 6, "skipped": 1, "failed": 2}
+    assert results["counts"] == {"ok": 6, "skipped": 2, "failed": 2}
     assert results["parity"]["failed_tests"] == ["tests.unit.test_ops_logprob::test_x[cuda]"]
     kernels_page = tmp_path / "kernels.md"
     kernels_page.write_text("# Kernels\n\n<!-- gpu-results: tools/gpu_check.sh replaces everything below this line "
@@ -237,7 +238,7 @@ def test_record_writes_the_gpu_page_from_a_device_run(tmp_path):
                                                                                   "PYTHON": sys.executable})
     assert r.returncode == 0, r.stdout + r.stderr
     text = page.read_text()
-    assert "`gpu_check: 6 ok, 2 failed, 1 skipped in 420 s`" in text
+    assert "`gpu_check: 6 ok, 2 failed, 2 skipped in 420 s`" in text
     for name in stages():
         assert f"| {name} |" in text
     assert "**timed out after 39s**" in text and "Duplicate GPU detected" in text and "ERROR SUMMARY: 2 errors" in text
@@ -259,3 +260,28 @@ def test_the_gpu_page_names_every_stage():
     assert "Never run" in text or "Run finished" in text
     for name in stages():
         assert f"| {name} |" in text
+
+
+def test_engines_compares_the_two_engines_generation(tmp_path):
+    """Stage vllm: the two engines' gpu_step results -> engines.json with the ratio issue 25's goal reads, and the
+    summary's table."""
+    cfg = gpu_step.build_config(tmp_path / "cfg", steps=2)
+    paths = {}
+    for engine, gen in (("megatron", 8.0), ("vllm", 2.0)):
+        history = {"timing/step": gen + 4.0, "timing/gen": gen, "timing/sync_weights": 0.5 if engine == "vllm" else
+                   0.0, "timing/update_actor": 1.0, "perf/total_num_tokens": 256 * 552.0, "response_length/mean": 512.0}
+        p = gpu_step.summarize([history] * 2, 494_032_768, 494_033_664, cfg, gpu_step.H200_BF16_PEAK_FLOPS)
+        p.update(arch="qwen2-0.5b", dtype="bfloat16", batch=256, response_length=512, engine=engine)
+        paths[engine] = tmp_path / f"{engine}.json"
+        paths[engine].write_text(json.dumps(p))
+    out = tmp_path / "engines.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check_report.py"), "engines", str(paths["megatron"]),
+                        str(paths["vllm"]), "--out", str(out)], capture_output=True, text=True, check=True)
+    e = json.loads(out.read_text())
+    assert e["vllm_over_megatron_gen"] == pytest.approx(4.0)  # same tokens, a quarter of the time
+    assert "4.00x (goal >= 3x)" in r.stdout
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check_report
+
+    text = "\n".join(gpu_check_report.engine_lines(e))
+    assert "| vllm | " in text and "**4.00x**" in text
