@@ -300,7 +300,8 @@ class VllmEngine:
                     "enforce_eager": e.enforce_eager, "max_model_len": self.max_model_len(),
                     "max_num_seqs": e.max_num_seqs, "logprobs_mode": logprobs_mode(self.cfg),
                     "gpu_memory_utilization": e.gpu_memory_utilization if on_gpu else None,
-                    "kv_cache_memory_bytes": None if on_gpu else int(e.cpu_kv_cache_gib * (1 << 30))},
+                    "kv_cache_memory_bytes": None if on_gpu else int(e.cpu_kv_cache_gib * (1 << 30)),
+                    "cpu": not on_gpu},
                    e.start_timeout_s)
         self.load_seconds = time.perf_counter() - start
         log.info("%s started (pid %d) on weights v%d in %.1f s", self.name, self.process.pid, version,

@@ -139,6 +139,19 @@ def test_sampled_log_probs_are_the_actors_teacher_forced_ones(smollm2_actor):
         assert (out.log_probs[i, n:] == 0).all()
 
 
+def test_a_batch_larger_than_one_prefill_step_samples_with_seeds(smollm2_actor):
+    """64 GSM8K prompts (~7,700 prompt tokens, more than one engine step's budget) with seeded sampling: on CPU
+    vLLM's chunked prefill would rewind a seeded generator and fail ("CPU Generator does not use offset"; found by
+    tools/bench_generation.py at 64x128); whole-prompt prefill samples them, reproducibly."""
+    group, tok, _, _ = smollm2_actor
+    prompts = _gsm8k_prompt_ids(tok, 64)
+    assert sum(p.numel() for p in prompts) > 4096
+    params = _params(tok, temperature=1.0, max_response_length=3)
+    first = group.worker.engine.generate(prompts, params)
+    assert first.responses.shape == (64, 3)
+    assert torch.equal(group.worker.engine.generate(prompts, params).responses, first.responses)
+
+
 def test_an_update_is_refused_until_synced_then_followed(smollm2_actor):
     """Both hand-overs (rollout.vllm.weight_transport): safetensors files, then tensors shared with the engine
     process (shared memory here; CUDA IPC on a GPU)."""

@@ -111,6 +111,11 @@ class Server:
             kwargs["gpu_memory_utilization"] = msg["gpu_memory_utilization"]
         if msg.get("kv_cache_memory_bytes"):
             kwargs["kv_cache_memory_bytes"] = msg["kv_cache_memory_bytes"]
+        if msg.get("cpu"):
+            # Every request is seeded. A chunked prefill drops the step's sample and rewinds the request's
+            # generator, which a CPU generator refuses ("CPU Generator does not use offset"): on CPU whole prompts
+            # only, as many as fit a step's token budget.
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(msg["max_model_len"], 4096))
         OWNED_DIR.append(msg["model_dir"])
         self.llm = LLM(**kwargs)
         self.version = msg["version"]  # the model directory holds this version (config.json + its safetensors)
