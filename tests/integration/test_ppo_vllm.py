@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _command(tmp: Path, steps: int) -> list[str]:
+def _command(tmp: Path, steps: int, extra: tuple = ()) -> list[str]:
     # head dim 32 (vLLM's CPU attention has no 16, the default tiny model's): 2 heads of the 64-wide model
     return [sys.executable, "-m", "megatron_ppo.cli", "train", "--config", "configs/tiny_cpu.yaml",
             "rollout.name=vllm", f"rollout.vllm.python={vllm_python()}", "rollout.vllm.cpu_kv_cache_gib=0.25",
@@ -32,7 +32,7 @@ def _command(tmp: Path, steps: int) -> list[str]:
             f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
             f"trainer.log_dir={tmp}/logs", f"trainer.default_local_dir={tmp}/ckpt", "trainer.save_freq=-1",
             f"data.preprocess.output_dir={tmp}/data", f"data.train_files=[{tmp}/data/train.parquet]",
-            f"data.val_files=[{tmp}/data/test.parquet]"]
+            f"data.val_files=[{tmp}/data/test.parquet]", *extra]
 
 
 def _engines() -> list[psutil.Process]:
@@ -43,8 +43,14 @@ def _engines() -> list[psutil.Process]:
     return out
 
 
-def test_ppo_with_vllm_stays_on_policy(tmp_path):
-    run = subprocess.run(_command(tmp_path, 4), cwd=REPO, capture_output=True, text=True, timeout=900)
+@pytest.mark.parametrize("layout, extra, engines", [
+    ("actor TP2 -> one engine", (), 1),
+    ("actor DP2 -> an engine per replica", ("cluster.actor.tensor_model_parallel_size=1",
+                                             "cluster.ref.tensor_model_parallel_size=1",
+                                             "actor.ppo_micro_batch_size_per_gpu=4"), 2),
+])
+def test_ppo_with_vllm_stays_on_policy(tmp_path, layout, extra, engines):
+    run = subprocess.run(_command(tmp_path, 4, extra), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").open()]
     steps = [s for s in steps if "timing/step" in s]
@@ -53,7 +59,9 @@ def test_ppo_with_vllm_stays_on_policy(tmp_path):
         assert s["rollout/logprob_abs_diff_max"] <= 1e-4, s["rollout/logprob_abs_diff_max"]
         assert s["timing/sync_weights"] > 0
     assert max(abs(s["actor/pg_clipfrac"]) + abs(s["actor/ppo_kl"]) for s in steps) > 0  # the actor did move
-    assert (tmp_path / "logs" / "vllm-engine-dp0.log").stat().st_size > 0
+    logs = sorted(p.name for p in (tmp_path / "logs").glob("vllm-engine-dp*.log"))
+    assert logs == [f"vllm-engine-dp{d}.log" for d in range(engines)], logs
+    assert all((tmp_path / "logs" / name).stat().st_size > 0 for name in logs)
     assert not any((tmp_path / "shm").iterdir())  # the engine's weight directory went with it
     assert not _engines()
 
