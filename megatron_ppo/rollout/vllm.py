@@ -25,7 +25,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -393,9 +392,3 @@ def to_output(results: list[dict], params: SamplingParams) -> GenerationOutput:
 def build_engine(worker, cfg) -> VllmEngine:
     return VllmEngine(worker, cfg)
 
-
-if __name__ == "__main__":  # pragma: no cover - `python -m megatron_ppo.rollout.vllm`: the venv check
-    from megatron_ppo.config.schema import VllmRolloutConfig
-
-    check_vllm_python(VllmRolloutConfig())
-    print(vllm_python(VllmRolloutConfig()), file=sys.stdout)
