@@ -59,3 +59,42 @@ def reward_registry():
     finally:
         registry._REGISTRY.clear()
         registry._REGISTRY.update(saved)
+
+
+# ------------------------------------------------------------------------------------------------ CI diagnostics
+# A CI run cut off by its time limit prints no summary: under CI=true each failure is printed the moment it happens
+# (nodeid, phase, the error's last lines), and once MPPO_TEST_BUDGET_S seconds have passed the remaining tests fail
+# at once (naming the budget), so pytest still reaches its summary and exit code before the job's limit.
+_SESSION_START = [None]
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _SESSION_START[0] = time.monotonic()
+
+
+def pytest_runtest_setup(item):
+    import time
+
+    budget = float(os.environ.get("MPPO_TEST_BUDGET_S", "0") or 0)
+    if budget and _SESSION_START[0] is not None and time.monotonic() - _SESSION_START[0] > budget:
+        pytest.fail(f"MPPO_TEST_BUDGET_S={budget:.0f} s spent before this test started (not run)", pytrace=False)
+
+
+def pytest_runtest_logreport(report):
+    import sys
+    import time
+
+    if os.environ.get("CI") != "true":
+        return
+    elapsed = time.monotonic() - _SESSION_START[0] if _SESSION_START[0] is not None else 0.0
+    if report.when == "call" and report.duration > 60:
+        sys.stderr.write(f"\nSLOW-NOW [{elapsed:.0f} s] {report.nodeid}: {report.duration:.0f} s\n")
+    if not report.failed:
+        return
+    text = str(report.longrepr or "").strip().splitlines()
+    tail = "\n    ".join(text[-12:])
+    sys.stderr.write(f"\nFAILED-NOW [{elapsed:.0f} s] {report.nodeid} ({report.when}, {report.duration:.1f} s):\n"
+                     f"    {tail}\n")
+    sys.stderr.flush()
