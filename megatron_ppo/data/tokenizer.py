@@ -120,3 +120,19 @@ def gsm8k_tokenizer_dir(cache_dir: str | Path, gsm8k_dir: str | Path | None = No
 def gsm8k_tokenizer(cache_dir: str | Path, gsm8k_dir: str | Path | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE):
     """The project's small GSM8K tokenizer, loaded through the same path as any HF tokenizer directory."""
     return load_tokenizer(gsm8k_tokenizer_dir(cache_dir, gsm8k_dir, vocab_size))
+
+
+def stop_token_ids(tokenizer, model_path: str | Path | None = None) -> list[int]:
+    """The token ids that end a response: the tokenizer's eos, and those of the model's generation_config.json
+    (an int or a list, as HF generate and vLLM read it), in that order, without repeats."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    config = Path(model_path) / "generation_config.json" if model_path else None
+    if config is not None and config.is_file():
+        try:
+            value = json.loads(config.read_text()).get("eos_token_id")
+        except ValueError as exc:
+            raise ValueError(f"{config}: not valid JSON ({exc})") from exc
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids

@@ -158,3 +158,34 @@ class RewardScorer:
         return compute_rewards(responses, data_sources, ground_truths, reward_kwargs=self.reward_kwargs,
                                length_penalty=self.length_penalty, repetition_penalty=self.repetition_penalty,
                                reward_fn=self.reward_fn, **per_batch)
+
+
+@dataclass
+class ScoredResponses:
+    """What the driver's scoring of a rollout batch gives: the sequence rewards and their metrics, and (rule or
+    custom rewards) the decoded responses and the task term, which `megatron-ppo eval` reads accuracy from."""
+
+    values: list[float]  # the sequence reward of each row
+    metrics: dict[str, float]
+    texts: list[str] | None = None  # None when a reward model scored the token ids
+    task: np.ndarray | None = None  # the data_source's own reward (no shaping), rule / custom rewards only
+
+
+def score_responses(batch, tokenizer, scorer: RewardScorer, reward_group=None, balance: bool = True) -> ScoredResponses:
+    """A rollout batch's responses scored the way training and validation score them (one function, so that
+    `megatron-ppo eval` and `train`'s validation give the same numbers): the reward model's group when there is
+    one (it replaces the rule, as in verl), else the rule / custom function on the decoded text + shaping."""
+    lengths = batch.response_lengths
+    if reward_group is not None:
+        scores = reward_group.call_rows("compute_scores", batch.select(keys=(), meta=False), batch.row_tokens(),
+                                        balance=balance)["scores"]
+        metrics = {"reward/score/mean": float(scores.mean()), "reward/score/min": float(scores.min()),
+                   "reward/score/max": float(scores.max()), "reward/rm_score/mean": float(scores.mean()),
+                   "reward/rm_score/std": float(scores.std()) if batch.size > 1 else 0.0}
+        return ScoredResponses([float(v) for v in scores], metrics)
+    ids = [batch.responses[i, : int(lengths[i])].tolist() for i in range(batch.size)]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    truths = [rm.get("ground_truth") if rm else None for rm in batch.meta["reward_model"]]
+    out = scorer(texts, batch.meta["data_source"], truths, extra_infos=batch.meta["extra_info"],
+                 response_ids=ids, response_lengths=lengths.tolist())
+    return ScoredResponses([float(v) for v in out.scores], out.metrics, texts, out.terms["task"])

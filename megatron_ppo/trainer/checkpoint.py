@@ -9,6 +9,8 @@
             worker_state_<role>.pt            per rank: lr schedule, target-KL guard, RNG states (tensors/ints only)
             driver_rng.pt                     the driver process's RNG states
             driver_state.json                 step, KL controller, sampler position, non-finite streaks, layouts
+            config.yaml                       the run's resolved config (what `megatron-ppo eval` of actor/ reads:
+                                              tokenizer, chat template, rewards, response length, layout)
 
 A checkpoint is written into ``global_step_<N>.tmp-<pid>`` and renamed when complete, so a ``global_step_<N>`` dir
 is always complete and a crash in the middle of a save leaves the previous one loadable (the stale tmp dir is
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 DRIVER_STATE = "driver_state.json"
 DRIVER_RNG = "driver_rng.pt"
+RUN_CONFIG = "config.yaml"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
@@ -115,8 +118,13 @@ def write_worker_states(tmp: str, role: str, rank_states: list[dict]) -> None:
     torch.save(rank_states, worker_state_file(tmp, role))
 
 
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+def write_run_config(tmp: str, config_text: str) -> None:
+    with open(os.path.join(tmp, RUN_CONFIG), "w") as f:
+        f.write(config_text)
 
 
 def copy_hf_config(hf_path: str | None, role_dir: str) -> None:

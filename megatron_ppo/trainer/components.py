@@ -16,7 +16,7 @@ from megatron_ppo.data.parquet_io import expand_parquet_paths
 from megatron_ppo.data.preprocess import preprocess_arithmetic, preprocess_gsm8k
 from megatron_ppo.data.prompt_dataset import PromptDataset, overlong_policy_from_verl
 from megatron_ppo.data.sampler import StatefulSampler
-from megatron_ppo.data.tokenizer import gsm8k_tokenizer_dir, load_tokenizer
+from megatron_ppo.data.tokenizer import gsm8k_tokenizer_dir, load_tokenizer, stop_token_ids
 from megatron_ppo.data.trajectory import TrajectoryWriter
 from megatron_ppo.rewards.batch import RewardScorer
 from megatron_ppo import roles
@@ -148,7 +148,6 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
         writer = TrajectoryWriter(cfg.rollout.dump_dir, policy_name=t.experiment_name,
                                   temperature=cfg.rollout.temperature, tokenizer=tokenizer)
         dumper = lambda step, batch: writer.append(step, trajectory_rows(batch, tokenizer))  # noqa: E731
-    eos = tokenizer.eos_token_id
     convert_for_roles(cfg, cfg.roles)  # HF -> Megatron in this process, once, before any rank starts
     try:  # last: the groups are what needs closing
         groups = build_groups(cfg, vocab, total_steps, worker_classes)
@@ -157,7 +156,7 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
         raise
     write_run_record(tracker.log_dir, cfg, {role: g.layout for role, g in groups.groups.items()},
                      {role: g.threads for role, g in groups.groups.items()})
-    eos_ids = [eos] if eos is not None else []
+    eos_ids = stop_token_ids(tokenizer, cfg.actor.model.path)
     balance, max_len, pad = cfg.trainer.balance_batch, cfg.data.max_response_length, tokenizer.pad_token_id
     actor = groups.get("actor")
     source = OfflineSource(train) if cfg.rollout.mode == "offline" else OnlineSource(

@@ -20,7 +20,9 @@ from megatron_ppo.algo.advantages import compute_gae_advantage_return, compute_g
 from megatron_ppo.algo.kl_control import apply_kl_penalty
 from megatron_ppo.algo.losses import explained_variance
 from megatron_ppo.algo.rollout_correction import compute_rollout_correction_and_rejection_mask
+from megatron_ppo.config import to_yaml
 from megatron_ppo.data.batch import RolloutBatch, chunk_rows
+from megatron_ppo.rewards.batch import score_responses
 from megatron_ppo import ops, roles
 from megatron_ppo.trainer import checkpoint as ckpt
 from megatron_ppo.trainer.tracking import timed
@@ -134,6 +136,7 @@ class PPOTrainer:
             states = self.p.groups.get(role).call_all("save_checkpoint", os.path.join(tmp, role))
             ckpt.write_worker_states(tmp, role, states)
         ckpt.copy_hf_config(self.cfg.model_for("actor").path, os.path.join(tmp, "actor"))
+        ckpt.write_run_config(tmp, to_yaml(self.cfg))
         for role in self.frozen_roles():  # no model state to save: their RNG streams only
             ckpt.write_worker_states(tmp, role, self.p.groups.get(role).call_all("rng_state"))
         ckpt.write_driver_state(tmp, self.state_dict(), driver_rng)
@@ -178,20 +181,8 @@ class PPOTrainer:
         reward.reward_model.enable (as verl: it replaces the rule), else the rule / custom function + shaping.
         Offline rows with a stored `reward` keep it (reward/stored_fraction says how many); the others are scored."""
         lengths = batch.response_lengths
-        if self.p.reward is not None:
-            scores = self.p.reward.call_rows("compute_scores", batch.select(keys=(), meta=False), batch.row_tokens(),
-                                             balance=self.cfg.trainer.balance_batch)["scores"]
-            values = [float(v) for v in scores]
-            out_metrics = {"reward/score/mean": float(scores.mean()), "reward/score/min": float(scores.min()),
-                           "reward/score/max": float(scores.max()), "reward/rm_score/mean": float(scores.mean()),
-                           "reward/rm_score/std": float(scores.std()) if batch.size > 1 else 0.0}
-        else:
-            ids = [batch.responses[i, : int(lengths[i])].tolist() for i in range(batch.size)]
-            texts = self.p.tokenizer.batch_decode(ids, skip_special_tokens=True)
-            truths = [rm.get("ground_truth") if rm else None for rm in batch.meta["reward_model"]]
-            out = self.p.scorer(texts, batch.meta["data_source"], truths, extra_infos=batch.meta["extra_info"],
-                                response_ids=ids, response_lengths=lengths.tolist())
-            values, out_metrics = [float(v) for v in out.scores], out.metrics
+        scored = score_responses(batch, self.p.tokenizer, self.p.scorer, self.p.reward, self.cfg.trainer.balance_batch)
+        values, out_metrics = scored.values, scored.metrics
         stored = batch.meta.get("stored_reward")
         if stored is not None:
             values = [v if s is None else float(s) for v, s in zip(values, stored)]

@@ -79,6 +79,11 @@ class ActorWorker(RoleWorker):
         self.weights_version += 1
         return out
 
+    def load_weights(self, directory: str) -> dict:
+        out = super().load_weights(directory)
+        self.weights_version += 1
+        return out
+
     def update(self, batch: RolloutBatch, step: int) -> UpdateResult:
         self.weights_version += 1
         result = super().update(batch, step)

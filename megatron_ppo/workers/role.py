@@ -105,6 +105,13 @@ class RoleWorker(MegatronWorker):
             restore_rng(rank_states[parallel.world_rank()]["rng"])
         return {"rng_restored": same}
 
+    def load_weights(self, directory: str) -> dict:
+        """The model's weights only from a role directory of a trainer checkpoint (any layout; no optimizer, no
+        schedules): what `megatron-ppo eval` needs. Returns the checkpoint's meta."""
+        from megatron_ppo.models.checkpoint import load_checkpoint
+
+        return load_checkpoint(self.model, directory, None)
+
     def guard_state(self) -> dict | None:
         return None
 

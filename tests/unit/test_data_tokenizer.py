@@ -97,3 +97,23 @@ def test_bad_inputs(tmp_path, tok_dir):
 
 def test_template_constant_is_what_is_saved(tok_dir):
     assert (tok_dir / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+
+
+def test_stop_tokens_are_the_tokenizers_eos_and_the_generation_configs(tmp_path):
+    """A model whose generation_config.json lists several eos ids (Llama-3-Instruct: <|eot_id|> and
+    <|end_of_text|>) stops on each of them, as HF generate and vLLM do; the tokenizer's eos comes first."""
+    import json
+    from types import SimpleNamespace
+
+    from megatron_ppo.data.tokenizer import stop_token_ids
+
+    tok = SimpleNamespace(eos_token_id=7)
+    assert stop_token_ids(tok, None) == [7]
+    assert stop_token_ids(tok, tmp_path) == [7]  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7, 12]}))
+    assert stop_token_ids(tok, tmp_path) == [7, 9, 12]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
+    assert stop_token_ids(SimpleNamespace(eos_token_id=None), tmp_path) == [3]
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(ValueError, match="generation_config.json"):
+        stop_token_ids(tok, tmp_path)
