@@ -45,16 +45,21 @@ def preprocess_gsm8k(input_dir: str | Path, out_dir: str | Path, splits=gsm8k.SP
 
 
 def preprocess_arithmetic(out_dir: str | Path, train_rows: int = arithmetic.DEFAULT_ROWS["train"],
-                          test_rows: int = arithmetic.DEFAULT_ROWS["test"], seed: int = 0) -> dict[str, int]:
-    """Write the generated arithmetic task (data/arithmetic.py) as `<out>/train.parquet` and `test.parquet`, one
-    set with a manifest like GSM8K's."""
+                          test_rows: int = arithmetic.DEFAULT_ROWS["test"], seed: int = 0,
+                          level: str = "single") -> dict[str, int]:
+    """Write the generated arithmetic task (data/arithmetic.py, ``level`` single or multi) as `<out>/train.parquet`
+    and `test.parquet`, one set with a manifest like GSM8K's."""
     counts = {"train": train_rows, "test": test_rows}
     for split, n in counts.items():
         if n < 1:
             raise ValueError(f"arithmetic: {split} rows must be >= 1, got {n}")
-    tables = {f"{split}.parquet": pa.Table.from_pylist(arithmetic.rows(split, n, seed), schema=GSM8K_PROMPT_SCHEMA)
-              for split, n in counts.items()}
-    write_set(out_dir, tables, {"dataset": "arithmetic", "seed": seed, "rows": counts})
+    if level == "multi" and test_rows > arithmetic.HELD_OUT_TEST_ROWS:
+        raise ValueError(f"arithmetic: level multi holds out the first {arithmetic.HELD_OUT_TEST_ROWS} test "
+                         f"questions from train; --test-rows {test_rows} is more")
+    tables = {f"{split}.parquet": pa.Table.from_pylist(arithmetic.rows(split, n, seed, level),
+                                                       schema=GSM8K_PROMPT_SCHEMA) for split, n in counts.items()}
+    write_set(out_dir, tables, {"dataset": "arithmetic", "seed": seed, "rows": counts,
+                                **({"level": level} if level != "single" else {})})
     log.info("arithmetic: %s rows -> %s", counts, out_dir)
     return counts
 
@@ -74,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--train-rows", type=int, default=arithmetic.DEFAULT_ROWS["train"])
     a.add_argument("--test-rows", type=int, default=arithmetic.DEFAULT_ROWS["test"])
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--level", choices=arithmetic.LEVELS, default="single", help="single: one-digit sums (the tiny "
+                   "default); multi: 2-3 digit + - x for a pretrained model, test questions held out of train")
     t = sub.add_parser("tokenizer", help="build the small byte-level BPE tokenizer from GSM8K text (cached)")
     t.add_argument("--input", default=str(gsm8k.default_gsm8k_dir()), help="folder with GSM8K train.jsonl")
     t.add_argument("--out", required=True, help="cache folder; the tokenizer goes in a sub-folder named by its key")
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             for split, n in counts.items():
                 print(f"{split}: {n} rows -> {Path(args.out) / (split + '.parquet')}")
         elif args.dataset == "arithmetic":
-            counts = preprocess_arithmetic(args.out, args.train_rows, args.test_rows, args.seed)
+            counts = preprocess_arithmetic(args.out, args.train_rows, args.test_rows, args.seed, args.level)
             for split, n in counts.items():
                 print(f"{split}: {n} rows -> {Path(args.out) / (split + '.parquet')}")
         else:

@@ -126,3 +126,30 @@ def test_trajectory_nothing_left_refused(tmp_path):
                                          r"'filtered_empty_response': 2"):
         TrajectoryDataset(path)
     assert len(TrajectoryDataset(_trajectory_file(tmp_path / "ok.parquet", [[4]], [[-np.log(2)]]))) == 1
+
+
+def test_multi_level_arithmetic_is_held_out_and_correct(tmp_path):
+    """The learning benchmark's task for a pretrained model: 2-3 digit + - x, answers right, no test question in
+    train; the single level (the tiny default's data) is unchanged by the level option."""
+    import pyarrow.parquet as pq
+
+    from megatron_ppo.data import arithmetic
+
+    counts = preprocess_arithmetic(tmp_path / "m", 600, 256, seed=3, level="multi")
+    assert counts == {"train": 600, "test": 256}
+    train = pq.read_table(tmp_path / "m" / "train.parquet").to_pylist()
+    test = pq.read_table(tmp_path / "m" / "test.parquet").to_pylist()
+    assert not {r["extra_info"]["question"] for r in train} & {r["extra_info"]["question"] for r in test}
+    ops = set()
+    for r in train + test:
+        a, op, b = r["extra_info"]["question"].removeprefix("What is ").removesuffix("?").split()
+        ops.add(op)
+        want = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert r["reward_model"]["ground_truth"] == str(want) and want >= 0
+        assert max(len(a), len(b)) >= 2
+    assert ops == {"+", "-", "*"}
+    with pytest.raises(ValueError, match="held out|holds out"):
+        preprocess_arithmetic(tmp_path / "x", 10, 513, level="multi")
+    # the single level's rows as the code before the level option wrote them (the tiny default's cached data)
+    assert [r["extra_info"]["answer"] for r in arithmetic.rows("train", 3, 0)] == [
+        "0 + 5 = 5\n#### 5", "7 + 2 = 9\n#### 9", "6 + 3 = 9\n#### 9"]
