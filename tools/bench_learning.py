@@ -205,6 +205,15 @@ def curve_section(dumped: list[float], runs: dict, work: Path) -> list[str]:
 
 
 def main() -> None:
+    if "--model" in sys.argv:  # a real pretrained model: its own runner and page (tools/bench_learning_smollm2.py)
+        i = sys.argv.index("--model")
+        if sys.argv[i + 1:i + 2] != ["smollm2"]:
+            sys.exit("bench_learning.py: --model takes smollm2 (SmolLM2-135M-Instruct)")
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_learning_smollm2 import main as smollm2_main
+
+        smollm2_main(sys.argv[1:i] + sys.argv[i + 2:])
+        return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--work", default="outputs/bench_learning")
