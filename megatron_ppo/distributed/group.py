@@ -101,6 +101,7 @@ class LocalWorkerGroup(WorkerGroup):
         self.role = role
         self.layout = RankLayout(1, 1, 1)
         self.threads = [torch.get_num_threads()]
+        self.worker = None  # before anything can fail: shutdown() below reads it
         self._owns_parallel = not parallel.is_initialized()
         if self._owns_parallel:
             parallel.initialize(tp=1, pp=1, seed=seed)

@@ -90,7 +90,7 @@ def test_prefill_drop_finished_and_compile_keys_reach_generation(data_dir, tmp_p
     ("rollout.megatron.drop_finished=maybe", "rollout.megatron.drop_finished"),
     ("rollout.megatron.use_torch_compile=2", "rollout.megatron.use_torch_compile"),
     ("rollout.prefill=ragged", "'prefill' exists as 'rollout.megatron.prefill'"),  # the key before issue 24
-    ("rollout.name=vllm", "rollout.name"),
+    ("rollout.name=sglang", "rollout.name"),  # an engine we do not have
 ])
 def test_bad_generation_keys_are_refused_by_name(override, message):
     from megatron_ppo.config import ConfigError
