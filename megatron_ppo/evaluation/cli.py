@@ -274,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.n == 0 or args.n < -1:
         raise UsageError(f"--n {args.n}: give a positive number of prompts (or -1: all)")
     cfg, role_dir = eval_config(args)
+    if cfg.rollout.name == "vllm":  # before anything is built: the engine's interpreter (make setup-vllm)
+        from megatron_ppo.rollout.vllm import check_vllm_python
+
+        check_vllm_python(cfg.rollout.vllm)
     os.makedirs(cfg.trainer.log_dir, exist_ok=True)
     console.set_run_log(os.path.join(cfg.trainer.log_dir, "eval.log"))
     doc = run_eval(cfg, role_dir, args.batch_size)
