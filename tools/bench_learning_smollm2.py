@@ -93,7 +93,7 @@ def copy_curves(run: Path, page_dir: Path, name: str) -> str:
     page_dir.mkdir(parents=True, exist_ok=True)
     if src.is_file():
         shutil.copy2(src, page_dir / f"{name}.png")
-    return f"docs/bench/learning_smollm2/{name}.png"
+    return str((page_dir / f"{name}.png").relative_to(REPO))  # repo-rooted: the page is also pasted one level up
 
 
 def task_section(title: str, base: dict, runs: list, page_dir: Path, work: Path, goal: str) -> list[str]:
