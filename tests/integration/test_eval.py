@@ -29,13 +29,20 @@ def test_eval_of_a_checkpoint_equals_train_validation_of_the_same_weights(tmp_pa
     run = _cli("train", *val, f"data.train_files=[{data / 'train.parquet'}]", "data.train_batch_size=4",
                "data.train_max_samples=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
                "actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
-               "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=1",
+               "trainer.total_training_steps=1", "trainer.val_before_train=true", "trainer.test_freq=1",
+               "actor.optim.lr=0.3",  # a step large enough that the greedy answers change (else a missing load passes)
                "trainer.save_freq=1", "trainer.logger=[jsonl]", f"trainer.log_dir={tmp_path / 'logs'}",
-               f"trainer.default_local_dir={tmp_path / 'ckpt'}")
+               f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+               # in-process ranks (train, then eval from the checkpoint's config.yaml, at the same layout)
+               "cluster.launcher=local", "cluster.actor.tensor_model_parallel_size=1",
+               "cluster.ref.tensor_model_parallel_size=1", "cluster.critic.data_parallel_size=1")
     assert run.returncode == 0, run.stderr[-3000:]
-    record = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()][-1]
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    before, record = records[0], records[-1]
     validated = {k.split("/", 2)[2]: v for k, v in record.items() if k.startswith("val/test_score/")}
     assert validated, record.keys()
+    assert before["step"] == 0 and any(before[f"val/test_score/{k}"] != v for k, v in validated.items()), \
+        "the step did not change the validation score: the test could not tell trained from initial weights"
     actor = tmp_path / "ckpt" / "global_step_1" / "actor"
     assert (actor.parent / "config.yaml").is_file()
 
@@ -45,7 +52,7 @@ def test_eval_of_a_checkpoint_equals_train_validation_of_the_same_weights(tmp_pa
     doc = json.loads((out / "eval.json").read_text())
     assert doc["prompts"] == 12 and doc["n"] == 12
     for source, score in validated.items():
-        assert doc["by_data_source"][source]["mean_score"] == pytest.approx(score, abs=1e-9), source
+        assert doc["by_data_source"][source]["mean_score"] == pytest.approx(score, abs=1e-6), source  # (val: fp32)
     # tiny_cpu's reward: 1 correct, 0.2 a wrong number, 0 no number -> mean = acc + 0.2 (format - acc)
     assert doc["mean_score"] == pytest.approx(doc["accuracy"] + 0.2 * (doc["format_rate"] - doc["accuracy"]))
     lo, hi = doc["accuracy_ci95"]
