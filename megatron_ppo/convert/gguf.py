@@ -105,8 +105,18 @@ def fix_special_tokens(tok, config) -> None:
 def ensure_hf_dir(out: str | Path, gguf: str | Path | None = None) -> tuple[Path, bool]:
     """``out`` holding the HF folder of ``gguf`` (default: the SmolLM2 wheel's), built only when it is not already
     a complete copy of it; returns (out, built)."""
+    import fcntl
+
     gguf = Path(gguf) if gguf is not None else smollm2_gguf()
     out = Path(out)
-    if is_built_from(out, gguf_identity(gguf)):
+    identity = gguf_identity(gguf)
+    if is_built_from(out, identity):
         return out, False
-    return gguf_to_hf(gguf, out), True
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # two processes asking for the same folder (parallel test workers, two `make smollm2`): one builds, the other
+    # waits and then reuses it instead of renaming a folder away under a reader
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_built_from(out, identity):
+            return out, False
+        return gguf_to_hf(gguf, out), True

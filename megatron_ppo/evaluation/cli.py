@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                    f"config.yaml; for an HF directory: {DEFAULT_HF_CONFIG})")
     p.add_argument("--batch-size", type=int, default=None, help="prompts generated per batch (default: "
                    "data.val_batch_size, else 64)")
+    p.add_argument("--samples", type=int, default=SAMPLES, help=f"responses written to samples.jsonl (default "
+                   f"{SAMPLES}; -1: every response, e.g. to break accuracy down by question type)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.val_kwargs.do_sample=true "
                    "rollout.val_kwargs.n=4 data.max_response_length=512")
     return p
@@ -165,7 +167,7 @@ def response_rows(batch, scored, reward_cfg, first_row: int) -> list[dict]:
     return rows
 
 
-def run_eval(cfg, role_dir: str | None, batch_size: int | None = None, show=print) -> dict:
+def run_eval(cfg, role_dir: str | None, batch_size: int | None = None, show=print, samples: int = SAMPLES) -> dict:
     """Build the actor (loading ``role_dir``'s weights when given), generate for every prompt of data.val_files,
     score; returns the eval.json document (also written to trainer.log_dir)."""
     from megatron_ppo.data.batch import chunk_rows
@@ -222,7 +224,7 @@ def run_eval(cfg, role_dir: str | None, batch_size: int | None = None, show=prin
     with open(os.path.join(out, "eval.json"), "w") as f:
         json.dump(doc, f, indent=1)
     with open(os.path.join(out, "samples.jsonl"), "w") as f:
-        for r in rows[:SAMPLES]:
+        for r in rows if samples < 0 else rows[:samples]:
             f.write(json.dumps({k: r[k] for k in ("row", "data_source", "prompt", "response", "ground_truth",
                                                   "score", "correct")}, default=str) + "\n")
     show(format_table(summary))
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         check_vllm_python(cfg.rollout.vllm)
     os.makedirs(cfg.trainer.log_dir, exist_ok=True)
     console.set_run_log(os.path.join(cfg.trainer.log_dir, "eval.log"))
-    doc = run_eval(cfg, role_dir, args.batch_size)
+    doc = run_eval(cfg, role_dir, args.batch_size, samples=args.samples)
     print(f"megatron-ppo eval: {doc['prompts']} prompts x {doc['responses_per_prompt']}: accuracy "
           + ("-" if doc["accuracy"] is None else f"{doc['accuracy']:.4f} (95% {doc['accuracy_ci95'][0]:.3f}-"
              f"{doc['accuracy_ci95'][1]:.3f})")

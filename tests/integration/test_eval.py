@@ -47,7 +47,8 @@ def test_eval_of_a_checkpoint_equals_train_validation_of_the_same_weights(tmp_pa
     assert (actor.parent / "config.yaml").is_file()
 
     out = tmp_path / "eval"
-    ev = _cli("eval", "--model", str(actor), "--data", str(data / "test.parquet"), "--n", "12", "--out", str(out))
+    ev = _cli("eval", "--model", str(actor), "--data", str(data / "test.parquet"), "--n", "12", "--out", str(out),
+              "--samples", "-1")
     assert ev.returncode == 0, ev.stderr[-3000:]
     doc = json.loads((out / "eval.json").read_text())
     assert doc["prompts"] == 12 and doc["n"] == 12
@@ -58,7 +59,8 @@ def test_eval_of_a_checkpoint_equals_train_validation_of_the_same_weights(tmp_pa
     lo, hi = doc["accuracy_ci95"]
     assert lo <= doc["accuracy"] <= hi
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 8 and all(s["response"] is not None for s in samples)
+    assert len(samples) == 12 and all(s["response"] is not None for s in samples)  # --samples -1: every response
+    assert sum(s["score"] for s in samples) / 12 == pytest.approx(doc["mean_score"])
     assert "accuracy" in ev.stdout and str(out / "eval.json") in ev.stdout
 
     # the step directory names the same actor, and a checkpoint of the critic is not a policy
