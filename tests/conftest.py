@@ -61,17 +61,6 @@ def reward_registry():
         registry._REGISTRY.update(saved)
 
 
-# ------------------------------------------------------------------------------------------------ pytest-xdist
-# `make test` runs one worker per core with --dist loadgroup. Each test file is one group (its module fixtures --
-# a Ray cluster, a converted model -- are built once, on one worker); tests/slurm/ is one group, so a single worker
-# owns the session's Slurm cluster and the jobs it submits never compete with a second cluster's.
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        path = item.path.as_posix()
-        group = "tests/slurm" if "/tests/slurm/" in path else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(name=group))
-
-
 # ------------------------------------------------------------------------------------------------ CI diagnostics
 # A CI run cut off by its time limit prints no summary: under CI=true each failure is printed the moment it happens
 # (nodeid, phase, the error's last lines), and once MPPO_TEST_BUDGET_S seconds have passed the remaining tests fail
@@ -97,8 +86,8 @@ def pytest_runtest_logreport(report):
     import sys
     import time
 
-    if os.environ.get("CI") != "true" or os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # under pytest-xdist the controller prints (it receives every worker's reports)
+    if os.environ.get("CI") != "true":
+        return
     elapsed = time.monotonic() - _SESSION_START[0] if _SESSION_START[0] is not None else 0.0
     if report.when == "call" and report.duration > 60:
         sys.stderr.write(f"\nSLOW-NOW [{elapsed:.0f} s] {report.nodeid}: {report.duration:.0f} s\n")
