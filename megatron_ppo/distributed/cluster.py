@@ -119,16 +119,55 @@ def connect_or_start(address: str | None = None, num_cpus: float | None = None, 
                            "at %s, whose resources are its own", num_cpus, num_gpus, address)
         ctx = ray.init(address=address, log_to_driver=log_to_driver, logging_level=_ray_logging_level())
         return RayCluster(ctx.address_info["gcs_address"], False, None, time.perf_counter() - start)
-    temp_dir = tempfile.mkdtemp(prefix="ray-mppo-")
-    try:
-        with _quiet_auth_note(_ray_logging_level() > logging.INFO):
-            ctx = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=include_dashboard,
-                           object_store_memory=object_store_memory, log_to_driver=log_to_driver,
-                           _temp_dir=temp_dir, logging_level=_ray_logging_level())
-    except BaseException:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        raise
-    return RayCluster(ctx.address_info["gcs_address"], True, temp_dir, time.perf_counter() - start)
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        temp_dir = tempfile.mkdtemp(prefix="ray-mppo-")
+        children = _child_pids()
+        try:
+            with _quiet_auth_note(_ray_logging_level() > logging.INFO):
+                ctx = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
+                               include_dashboard=include_dashboard, object_store_memory=object_store_memory,
+                               log_to_driver=log_to_driver, _temp_dir=temp_dir, logging_level=_ray_logging_level())
+            return RayCluster(ctx.address_info["gcs_address"], True, temp_dir, time.perf_counter() - start)
+        except Exception as exc:
+            _kill_new_children(children)  # the GCS and raylet a failed start leaves behind (ray.init never owned them)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            if not is_raylet_start_timeout(exc) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+            logger.warning("connect_or_start: the local Ray node did not register within Ray's fixed 30 s (a busy "
+                           "machine); starting it again (attempt %d of %d)", attempt + 1, LOCAL_START_ATTEMPTS)
+        except BaseException:
+            _kill_new_children(children)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+    raise AssertionError("unreachable")
+
+
+# Ray waits a fixed 30 s (ray/_private/node.py, not configurable) for a fresh raylet to register with the GCS; on a
+# loaded machine (2 cores, other jobs starting theirs) it can take longer, and ray.init raises. A new start usually
+# succeeds: the first attempt's processes are gone and the machine has had its burst.
+LOCAL_START_ATTEMPTS = 3
+
+
+def is_raylet_start_timeout(exc: BaseException) -> bool:
+    return "timed out during startup" in str(exc)
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _kill_new_children(before: set[int]) -> None:
+    import psutil
+
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in new:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(new, timeout=10)
 
 
 def _set_log_dedup(enabled: bool) -> None:
