@@ -53,9 +53,9 @@ def preprocess_arithmetic(out_dir: str | Path, train_rows: int = arithmetic.DEFA
     for split, n in counts.items():
         if n < 1:
             raise ValueError(f"arithmetic: {split} rows must be >= 1, got {n}")
-    if level == "multi" and test_rows > arithmetic.HELD_OUT_TEST_ROWS:
-        raise ValueError(f"arithmetic: level multi holds out the first {arithmetic.HELD_OUT_TEST_ROWS} test "
-                         f"questions from train; --test-rows {test_rows} is more")
+    if level == "multi" and test_rows > arithmetic.test_pool_size():
+        raise ValueError(f"arithmetic: level multi's held-out test pool holds {arithmetic.test_pool_size()} distinct "
+                         f"questions; --test-rows {test_rows} is more")
     tables = {f"{split}.parquet": pa.Table.from_pylist(arithmetic.rows(split, n, seed, level),
                                                        schema=GSM8K_PROMPT_SCHEMA) for split, n in counts.items()}
     write_set(out_dir, tables, {"dataset": "arithmetic", "seed": seed, "rows": counts,
@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--test-rows", type=int, default=arithmetic.DEFAULT_ROWS["test"])
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--level", choices=arithmetic.LEVELS, default="single", help="single: one-digit sums (the tiny "
-                   "default); multi: 2-3 digit + - x for a pretrained model, test questions held out of train")
+                   "default); multi: 1-2 digit + - x for a pretrained model, test questions held out of train")
     t = sub.add_parser("tokenizer", help="build the small byte-level BPE tokenizer from GSM8K text (cached)")
     t.add_argument("--input", default=str(gsm8k.default_gsm8k_dir()), help="folder with GSM8K train.jsonl")
     t.add_argument("--out", required=True, help="cache folder; the tokenizer goes in a sub-folder named by its key")

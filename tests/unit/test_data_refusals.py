@@ -129,8 +129,9 @@ def test_trajectory_nothing_left_refused(tmp_path):
 
 
 def test_multi_level_arithmetic_is_held_out_and_correct(tmp_path):
-    """The learning benchmark's task for a pretrained model: 2-3 digit + - x, answers right, no test question in
-    train; the single level (the tiny default's data) is unchanged by the level option."""
+    """The learning benchmark's task for a pretrained model: the MULTI_OPS mix, answers right, test questions
+    distinct and from the held-out pool (the same for every seed), no train row from it; the single level (the tiny
+    default's data) is unchanged by the level option."""
     import pyarrow.parquet as pq
 
     from megatron_ppo.data import arithmetic
@@ -139,17 +140,21 @@ def test_multi_level_arithmetic_is_held_out_and_correct(tmp_path):
     assert counts == {"train": 600, "test": 256}
     train = pq.read_table(tmp_path / "m" / "train.parquet").to_pylist()
     test = pq.read_table(tmp_path / "m" / "test.parquet").to_pylist()
-    assert not {r["extra_info"]["question"] for r in train} & {r["extra_info"]["question"] for r in test}
-    ops = set()
+    test_q = [r["extra_info"]["question"] for r in test]
+    assert len(set(test_q)) == 256 and all(arithmetic.in_test_pool(q) for q in test_q)
+    other_seed = {r["extra_info"]["question"] for r in arithmetic.rows("train", 2000, 4, "multi")}
+    assert not ({r["extra_info"]["question"] for r in train} | other_seed) & set(test_q)
+    kinds = set()
     for r in train + test:
         a, op, b = r["extra_info"]["question"].removeprefix("What is ").removesuffix("?").split()
-        ops.add(op)
+        kinds.add((op, len(a), len(b)))
         want = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
         assert r["reward_model"]["ground_truth"] == str(want) and want >= 0
-        assert max(len(a), len(b)) >= 2
-    assert ops == {"+", "-", "*"}
-    with pytest.raises(ValueError, match="held out|holds out"):
-        preprocess_arithmetic(tmp_path / "x", 10, 513, level="multi")
+    assert {op for op, *_ in kinds} == {"+", "-", "*"} and len(kinds) == 6  # every kind of MULTI_OPS drawn
+    pool = arithmetic.test_pool_size()
+    assert 0.2 < pool / len(arithmetic.multi_questions()) < 0.3
+    with pytest.raises(ValueError, match="test pool holds"):
+        preprocess_arithmetic(tmp_path / "x", 10, pool + 1, level="multi")
     # the single level's rows as the code before the level option wrote them (the tiny default's cached data)
     assert [r["extra_info"]["answer"] for r in arithmetic.rows("train", 3, 0)] == [
         "0 + 5 = 5\n#### 5", "7 + 2 = 9\n#### 9", "6 + 3 = 9\n#### 9"]
