@@ -23,6 +23,8 @@ COMMANDS = {
              "validation)"),
     "plot": ("megatron_ppo.trainer.plots", "PNG curves of a run from its metrics.jsonl (megatron-ppo plot DIR)"),
     "plan": ("megatron_ppo.plan.cli", "per-GPU memory, feasible TP/PP/DP layouts and step time of a config"),
+    "checkpoint": ("megatron_ppo.trainer.checkpoint_manifest", "check a run's checkpoints against their manifests "
+                   "(checkpoint verify DIR [--full])"),
 }
 # flags valid before or after the command name; they reach the command as environment variables (also seen by
 # worker processes it starts)

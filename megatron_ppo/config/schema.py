@@ -370,6 +370,11 @@ class TrainerConfig:
     resume_mode: Literal["auto", "disable", "resume_path"] = field("auto", "auto: latest checkpoint in "
                                                                    "default_local_dir if any")
     resume_from_path: Optional[str] = field(None, "checkpoint for resume_mode=resume_path")
+    verify_checkpoint: Literal["size", "full", "disable"] = field(
+        "size", "check of the resumed checkpoint against its manifest.json before Ray or any model starts; size: "
+        "every file present at its saved size (a stat a file); full: sha256 digests too, which saves then record "
+        "(reads every byte: docs/bench/checkpoint.md); disable: no check. A damaged step is named: resume_mode=auto "
+        "falls back to the newest that verifies, resume_path refuses", None)
     max_actor_ckpt_to_keep: Optional[int] = field(None, "keep only the newest N actor checkpoints; null: all")
     max_critic_ckpt_to_keep: Optional[int] = field(None, "keep only the newest N critic checkpoints; null: all")
 

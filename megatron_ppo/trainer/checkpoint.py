@@ -11,11 +11,16 @@
             driver_state.json                 step, KL controller, sampler position, non-finite streaks, layouts
             config.yaml                       the run's resolved config (what `megatron-ppo eval` of actor/ reads:
                                               tokenizer, chat template, rewards, response length, layout)
+            manifest.json                     every other file's size (and sha256 with trainer.verify_checkpoint=
+                                              full), written last (trainer/checkpoint_manifest.py)
 
 A checkpoint is written into ``global_step_<N>.tmp-<pid>`` and renamed when complete, so a ``global_step_<N>`` dir
 is always complete and a crash in the middle of a save leaves the previous one loadable (the stale tmp dir is
 removed by the next save). ``.pt`` files are read with ``torch.load(weights_only=True)``: no pickle of arbitrary
-objects.
+objects. The rename protects against a crash during the save; the manifest against damage after it: find_resume
+checks the chosen step against it before Ray or any model starts, and resume_mode=auto falls back to the newest
+step that verifies. torch is imported only by the functions that read or write ``.pt`` files, so that the resume
+preflight and `megatron-ppo checkpoint verify` stay light.
 """
 from __future__ import annotations
 
@@ -24,10 +29,10 @@ import logging
 import os
 import re
 import shutil
-
-import torch
+from dataclasses import dataclass, field
 
 from megatron_ppo.errors import UsageError
+from megatron_ppo.trainer import checkpoint_manifest as manifests
 
 log = logging.getLogger(__name__)
 
@@ -55,28 +60,107 @@ def is_complete(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, DRIVER_STATE))
 
 
-def complete_steps(root: str) -> list[int]:
-    """The steps with a complete checkpoint under ``root``, ascending (tmp dirs of unfinished saves excluded)."""
+def has_manifest(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, manifests.MANIFEST))
+
+
+def step_dirs(root: str) -> list[int]:
+    """Every ``global_step_<N>`` dir under ``root`` (complete or not; tmp dirs excluded), ascending."""
     if not os.path.isdir(root):
         return []
-    steps = [int(m.group(1)) for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
-    return sorted(s for s in steps if is_complete(step_dir(root, s)))
+    return sorted(int(m.group(1)) for name in os.listdir(root) if (m := _STEP_DIR.match(name)))
+
+
+def complete_steps(root: str) -> list[int]:
+    """The steps with a complete checkpoint under ``root``, ascending (tmp dirs of unfinished saves excluded)."""
+    return [s for s in step_dirs(root) if is_complete(step_dir(root, s))]
+
+
+@dataclass
+class StepCheck:
+    """What verify_step found in one ``global_step_<N>`` dir: no problems = resumable as far as files can tell."""
+    directory: str
+    problems: list[manifests.Problem] = field(default_factory=list)
+    manifest: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self, limit: int = 4) -> str:
+        """The problems on one line, each file with its full path and its expected and found size or digest."""
+        lines = [f"{os.path.join(self.directory, str(p))}" for p in self.problems[:limit]]
+        more = len(self.problems) - limit
+        return "; ".join(lines + ([f"and {more} more (megatron-ppo checkpoint verify {self.directory})"]
+                                  if more > 0 else []))
+
+
+def _driver_state_problem(directory: str, strict: bool) -> manifests.Problem | None:
+    """driver_state.json must be a JSON object (and, ``strict``, of this version's format): read in milliseconds
+    here instead of failing after every rank has started."""
+    try:
+        with open(os.path.join(directory, DRIVER_STATE)) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return manifests.Problem(DRIVER_STATE, "missing", "a JSON file", "no file")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return manifests.Problem(DRIVER_STATE, "not readable", "JSON", f"{type(exc).__name__}: {exc}")
+    if not isinstance(state, dict):
+        return manifests.Problem(DRIVER_STATE, "not a JSON object", "an object", type(state).__name__)
+    if strict and state.get("format") != FORMAT:
+        return manifests.Problem(DRIVER_STATE, "another format", f"format {FORMAT}",
+                                 f"format {state.get('format')!r}")
+    return None
+
+
+def verify_step(directory: str, full: bool = False) -> StepCheck:
+    """Check one step dir against its manifest (sizes; ``full``: digests too) and read its driver state.
+    A step saved before manifests existed is not checked file by file (a note says so)."""
+    check = StepCheck(directory)
+    try:
+        check.manifest = manifests.read(directory)
+    except manifests.ManifestError as exc:
+        check.problems.append(manifests.Problem(manifests.MANIFEST, "not readable", f"format {manifests.FORMAT}",
+                                               str(exc)))
+        return check
+    if check.manifest is None:
+        check.notes.append(f"no {manifests.MANIFEST} (saved before manifests existed): not verified")
+    else:
+        check.problems += manifests.check(directory, check.manifest, full)
+        if full and check.manifest.get("digest") is None:
+            check.notes.append("no digests recorded (saved without trainer.verify_checkpoint=full): sizes checked")
+        for role in check.manifest.get("pruned", []):
+            check.notes.append(f"{role}/ deleted by trainer.max_{role}_ckpt_to_keep")
+    if not any(p.path == DRIVER_STATE for p in check.problems):
+        problem = _driver_state_problem(directory, strict=check.manifest is not None)
+        check.problems += [problem] if problem else []
+    return check
 
 
 def find_resume(trainer_cfg) -> str | None:
-    """The checkpoint dir trainer.resume_mode asks for: disable -> None; resume_path -> trainer.resume_from_path
-    (must be a complete global_step_<N> dir); auto -> the newest complete one in default_local_dir, if any."""
+    """The checkpoint dir trainer.resume_mode asks for, verified (trainer.verify_checkpoint) before anything starts:
+    disable -> None; resume_path -> trainer.resume_from_path (a complete global_step_<N> dir; a damaged one is
+    refused, naming the file); auto -> the newest complete one in default_local_dir that verifies, each damaged
+    newer one skipped with a warning (none verifies: refused, never a silent fresh start)."""
     t = trainer_cfg
     if t.resume_mode == "disable":
         return None
+    mode = t.verify_checkpoint
     if t.resume_mode == "resume_path":
         path = os.path.abspath(t.resume_from_path)
-        if not _STEP_DIR.match(os.path.basename(path.rstrip("/"))) or not is_complete(path):
+        name_ok = _STEP_DIR.match(os.path.basename(path.rstrip("/")))
+        if name_ok and mode != "disable" and (is_complete(path) or has_manifest(path)):
+            check = verify_step(path, mode == "full")
+            if check.problems:
+                raise CheckpointError(f"trainer.resume_from_path={t.resume_from_path}: damaged checkpoint: "
+                                      f"{check.describe()} (trainer.resume_mode=auto falls back to the newest step "
+                                      "that verifies)")
+            _log_notes(check)
+        if not name_ok or not is_complete(path):
             raise CheckpointError(f"trainer.resume_from_path={t.resume_from_path}: not a complete checkpoint "
                                   f"(a global_step_<N> directory holding {DRIVER_STATE})")
         return path
     root = t.expand(t.default_local_dir)
     steps = complete_steps(root)
+    if mode != "disable":  # a manifest without driver_state.json is a damaged step, named (not silently passed over)
+        steps = [s for s in step_dirs(root) if s in steps or has_manifest(step_dir(root, s))]
     if not steps:
         return None
     pointer = os.path.join(root, LATEST_FILE)
@@ -86,7 +170,30 @@ def find_resume(trainer_cfg) -> str | None:
         if text != str(steps[-1]):  # a crash between the rename and the pointer: the complete dir wins
             log.warning("%s says %r, but the newest complete checkpoint is step %d: resuming from that", pointer,
                         text, steps[-1])
-    return step_dir(root, steps[-1])
+    if mode == "disable":
+        return step_dir(root, steps[-1])
+    skipped = []
+    for step in reversed(steps):
+        check = verify_step(step_dir(root, step), mode == "full")
+        pruned = (check.manifest or {}).get("pruned", [])
+        if not check.problems and not pruned:
+            if skipped:
+                log.warning("trainer.resume_mode=auto: resuming from %s, the newest checkpoint that verifies "
+                            "(skipped %s)", check.directory, ", ".join(f"global_step_{s}" for s, _ in skipped))
+            _log_notes(check)
+            return check.directory
+        reason = check.describe(limit=2) if check.problems else (
+            f"{check.directory}: " + ", ".join(f"{r}/ deleted by trainer.max_{r}_ckpt_to_keep" for r in pruned))
+        log.warning("checkpoint global_step_%d is damaged or incomplete, skipped: %s", step, reason)
+        skipped.append((step, reason))
+    raise CheckpointError(f"trainer.resume_mode=auto: no checkpoint under {root} verifies: "
+                          + "; ".join(f"global_step_{s}: {reason}" for s, reason in skipped)
+                          + ". Move the damaged ones away, or set trainer.resume_mode=disable to start afresh")
+
+
+def _log_notes(check: StepCheck) -> None:
+    for note in check.notes:
+        log.info("checkpoint %s: %s", check.directory, note)
 
 
 def resume_step(directory: str) -> int:
@@ -109,12 +216,16 @@ def begin_save(root: str, step: int) -> str:
 
 
 def write_driver_state(tmp: str, state: dict, rng: dict) -> None:
+    import torch
+
     torch.save(rng, os.path.join(tmp, DRIVER_RNG))
     with open(os.path.join(tmp, DRIVER_STATE), "w") as f:
         json.dump({"format": FORMAT, **state}, f, indent=1, sort_keys=True)
 
 
 def write_worker_states(tmp: str, role: str, rank_states: list[dict]) -> None:
+    import torch
+
     torch.save(rank_states, worker_state_file(tmp, role))
 
 
@@ -141,8 +252,13 @@ def copy_hf_config(hf_path: str | None, role_dir: str) -> None:
             shutil.copy2(os.path.join(hf_path, name), os.path.join(out, name))
 
 
-def finish_save(root: str, tmp: str, step: int) -> str:
-    """Rename the complete tmp dir into place, then write the ``latest`` pointer (atomically, last)."""
+DIGEST_THREADS = min(8, os.cpu_count() or 1)
+
+
+def finish_save(root: str, tmp: str, step: int, digests: bool = False) -> str:
+    """Seal the complete tmp dir with its manifest (written last; ``digests``: sha256 of every file, on
+    DIGEST_THREADS threads), rename it into place, then write the ``latest`` pointer (atomically, last)."""
+    manifests.write(tmp, manifests.build(tmp, digests=digests, threads=DIGEST_THREADS))
     final = step_dir(root, step)
     if os.path.exists(final):  # a re-save of the same step (e.g. resumed, then preempted at once)
         old = final + f".old-{os.getpid()}"
@@ -159,6 +275,8 @@ def finish_save(root: str, tmp: str, step: int) -> str:
 
 
 def read_driver_state(directory: str) -> tuple[dict, dict]:
+    import torch
+
     with open(os.path.join(directory, DRIVER_STATE)) as f:
         state = json.load(f)
     if state.get("format") != FORMAT:
@@ -172,6 +290,8 @@ def read_worker_states(directory: str, role: str) -> list[dict]:
     if not os.path.isfile(path):
         raise CheckpointError(f"{directory}: no {role} state ({os.path.basename(path)}); was the run saved without "
                               f"a {role}?")
+    import torch
+
     return torch.load(path, weights_only=True)
 
 
@@ -186,6 +306,7 @@ def prune(root: str, keep: dict[str, int | None], current: int) -> list[str]:
         with_role = [s for s in steps if os.path.isdir(os.path.join(step_dir(root, s), role))]
         for s in with_role[: max(len(with_role) - (n - 1), 0)]:  # n - 1 older ones + the current one
             path = os.path.join(step_dir(root, s), role)
+            manifests.mark_pruned(step_dir(root, s), role)  # first: a crash mid-delete leaves no "missing" file
             shutil.rmtree(path)
             gone.append(path)
     for s in steps:

@@ -1,9 +1,10 @@
 """`megatron-ppo train [--config NAME|PATH] [key=value ...]`: PPO from a YAML config.
 
 The driver runs in this process; the models run in worker groups: Ray actors per rank (cluster.launcher=ray, the
-default) or one in-process rank per role (cluster.launcher=local). A layout the cluster cannot host is refused
-before any process starts; a rank that fails or dies ends the run with a non-zero exit naming role, rank and node,
-and every rank, placement group and Ray cluster started here is gone before the process exits.
+default) or one in-process rank per role (cluster.launcher=local). A layout the cluster cannot host, and a damaged
+checkpoint to resume from (trainer/checkpoint.py: find_resume), are refused before any process starts; a rank
+that fails or dies ends the run with a non-zero exit naming role, rank and node, and every rank, placement group
+and Ray cluster started here is gone before the process exits.
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ppo.trainer.checkpoint import CheckpointError, find_resume, resume_step
     from megatron_ppo.trainer.tracking import LogDirInUseError, claim_log_dir
 
-    try:  # trainer.resume_mode: which checkpoint (if any) this run continues
-        resume = find_resume(cfg.trainer)
+    try:  # trainer.resume_mode: which checkpoint (if any) this run continues, checked against its manifest
+        resume = find_resume(cfg.trainer)  # (sizes: milliseconds); damaged: auto falls back, resume_path exits 2
     except CheckpointError as exc:
         raise UsageError(f"{exc}. Nothing was run.") from exc
     try:  # before anything is built: a second run into the same log dir is refused in a second, not after minutes

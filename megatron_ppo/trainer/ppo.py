@@ -121,8 +121,8 @@ class PPOTrainer:
         self.nonfinite_detail = dict(state["nonfinite_detail"])
 
     def save_checkpoint(self) -> str:
-        """Step ``self.step``'s checkpoint (see trainer/checkpoint.py for the layout), written atomically; then the
-        oldest beyond trainer.max_<role>_ckpt_to_keep are deleted. Returns the checkpoint dir."""
+        """Step ``self.step``'s checkpoint (see trainer/checkpoint.py for the layout), written atomically and sealed
+        by its manifest; then the oldest beyond trainer.max_<role>_ckpt_to_keep are deleted. Returns the dir."""
         import time
 
         from megatron_ppo.parallel.rng_state import capture_rng
@@ -140,7 +140,7 @@ class PPOTrainer:
         for role in self.frozen_roles():  # no model state to save: their RNG streams only
             ckpt.write_worker_states(tmp, role, self.p.groups.get(role).call_all("rng_state"))
         ckpt.write_driver_state(tmp, self.state_dict(), driver_rng)
-        final = ckpt.finish_save(root, tmp, self.step)
+        final = ckpt.finish_save(root, tmp, self.step, digests=t.verify_checkpoint == "full")  # manifest last
         gone = ckpt.prune(root, {role: getattr(t, f"max_{role}_ckpt_to_keep") for role in self.trained_roles()},
                           self.step)
         log.info("checkpoint of step %d saved in %.1f s: %s%s", self.step, time.perf_counter() - start, final,
