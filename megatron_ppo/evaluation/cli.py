@@ -217,7 +217,7 @@ def run_eval(cfg, role_dir: str | None, batch_size: int | None = None, show=prin
            "responses_per_prompt": val.n, "sampling": {"do_sample": val.do_sample, "temperature": val.temperature,
                                                        "top_p": val.top_p, "top_k": val.top_k},
            "max_response_length": cfg.data.max_response_length, "data": list(cfg.data.val_files),
-           "model": cfg.actor.model.path or role_dir, "rollout_engine": cfg.rollout.name,
+           "model": role_dir or cfg.actor.model.path, "rollout_engine": cfg.rollout.name,
            "dropped_prompts": dataset.stats.get("filtered_overlong", 0), "seconds": round(seconds, 1)}
     out = cfg.trainer.log_dir
     os.makedirs(out, exist_ok=True)

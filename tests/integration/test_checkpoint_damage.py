@@ -43,9 +43,10 @@ def _train(data_dir: Path, tmp: Path, **extra) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def saved(data_dir, tmp_path_factory):
-    """A 2-step run's checkpoints (global_step_1, global_step_2), pristine: tests copy them."""
+    """A 2-step run's checkpoints (global_step_1, global_step_2; sha256 digests recorded), pristine: tests copy
+    them."""
     tmp = tmp_path_factory.mktemp("damage_run")
-    records = _train(data_dir, tmp, **{"trainer.total_training_steps": 2})
+    records = _train(data_dir, tmp, **{"trainer.total_training_steps": 2, "trainer.verify_checkpoint": "full"})
     assert [r["step"] for r in records] == [1, 2]
     assert sorted(p.name for p in (tmp / "ckpt").glob("global_step_*")) == ["global_step_1", "global_step_2"]
     return tmp
@@ -122,3 +123,50 @@ def test_checkpoint_verify_names_the_damaged_file(saved, tmp_path):
     assert f"{shard}: truncated (expected {size} bytes, found {size // 2})" in proc.stdout, proc.stdout
     assert "2 checkpoint(s): 1 ok, 1 damaged, 0 without a manifest" in proc.stdout, proc.stdout
     assert time.perf_counter() - start < REFUSAL_LIMIT_S
+
+
+def _largest_shard(step: Path) -> Path:
+    return max((step / "actor").glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def _flip_a_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _garble_keeping_size(path: Path) -> None:
+    text = path.read_text()
+    path.write_text("X" + text[1:])
+
+
+DAMAGES = {  # name: (damage global_step_2, verify mode, what the check names or None, the step auto resumes)
+    "deleted shard": (lambda d: _largest_shard(d).unlink(), "size", "missing", 1),
+    "flipped byte, full": (lambda d: _flip_a_byte(_largest_shard(d)), "full", "altered", 1),
+    "flipped byte, size": (lambda d: _flip_a_byte(_largest_shard(d)), "size", None, 2),  # sizes cannot see it
+    "damaged driver state": (lambda d: _garble_keeping_size(d / "driver_state.json"), "size",
+                             "driver_state.json: not readable", 1),  # the size check alone would pass it
+    "missing manifest": (lambda d: (d / "manifest.json").unlink(), "size", None, 2),  # an older save: as before
+}
+
+
+@pytest.mark.slow  # the fixture's 2-step run; the checks themselves take milliseconds
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_each_damage_to_a_real_checkpoint_is_named_and_auto_takes_the_last_good_step(data_dir, saved, tmp_path,
+                                                                                      damage):
+    from megatron_ppo.config import load_config
+    from megatron_ppo.trainer import checkpoint as ckpt
+
+    apply, mode, named, resumes = DAMAGES[damage]
+    shutil.copytree(saved, tmp_path / "run")
+    step2 = tmp_path / "run" / "ckpt" / "global_step_2"
+    apply(step2)
+    problems = [str(p) for p in ckpt.verify_step(str(step2), full=mode == "full").problems]
+    if named is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and named in problems[0], problems
+    cfg = load_config("tiny_cpu", _overrides(data_dir, tmp_path / "run", **{"trainer.verify_checkpoint": mode}))
+    assert ckpt.find_resume(cfg.trainer) == str(tmp_path / "run" / "ckpt" / f"global_step_{resumes}")

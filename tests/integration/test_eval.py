@@ -125,3 +125,32 @@ def test_eval_refuses_bad_inputs_by_name(tmp_path):
     assert no_data.returncode == 2 and "--data" in no_data.stderr
     bad_n = _cli("eval", "--model", str(tmp_path / "empty"), "--data", str(tmp_path), "--n", "0")
     assert bad_n.returncode == 2 and "--n" in bad_n.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_recipe_runs_a_step_and_its_checkpoint_evaluates(tmp_path):
+    """The README's real-model recipe (configs/smollm2_gsm8k.yaml) as CI can afford it: GSM8K preprocessed by the
+    run, SmolLM2 as actor, reference and critic (fresh value head), one PPO step of 2 prompts x 24 tokens, a
+    checkpoint; then `megatron-ppo eval` of that checkpoint. Only sizes and the launcher are overridden."""
+    from test_convert_smollm2 import smollm2_hf_dir
+
+    data, ckpt = tmp_path / "gsm8k", tmp_path / "ckpt"
+    run = _cli("train", "--config", "smollm2_gsm8k", f"actor.model.path={smollm2_hf_dir()}",
+               f"data.preprocess.output_dir={data}", f"data.train_files=[{data / 'train.parquet'}]",
+               f"data.val_files=[{data / 'test.parquet'}]", "data.train_batch_size=2", "data.max_response_length=24",
+               "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2", "trainer.total_training_steps=1",
+               "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=1",
+               f"trainer.log_dir={tmp_path / 'logs'}", f"trainer.default_local_dir={ckpt}",
+               "cluster.launcher=local")  # in-process ranks: the recipe's Ray start-up is tested elsewhere
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert record["step"] == 1 and record["response_length/max"] <= 24
+    for key in ("reward/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/kl_loss"):
+        assert key in record and record[key] == record[key], key  # present and not NaN
+
+    out = tmp_path / "eval"
+    ev = _cli("eval", "--model", str(ckpt / "global_step_1" / "actor"), "--data", str(data / "test.parquet"),
+              "--n", "2", "--out", str(out), "data.max_response_length=24")
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    doc = json.loads((out / "eval.json").read_text())
+    assert doc["prompts"] == 2 and doc["model"].rstrip("/").endswith("global_step_1/actor")  # what was evaluated

@@ -321,7 +321,8 @@ RAY_LAYOUTS = {  # (actor, critic) on 2 Ray ranks: DP2 (per-rank RNG states), PP
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(RAY_LAYOUTS))
 def test_resume_on_ray_at_the_same_layout_is_bit_exact(data_dir, tmp_path, layout):
-    """Ray ranks (actor and critic DP2 or PP2): 4 straight steps vs 2 + a resume in new groups."""
+    """Ray ranks (actor and critic DP2 or PP2): 4 straight steps (saving at step 2) vs a resume from that step's
+    checkpoint in new groups."""
     ray = pytest.importorskip("ray")  # noqa: F841
     from megatron_ppo.distributed import connect_or_start
     from megatron_ppo.trainer.components import build_components
@@ -345,10 +346,9 @@ def test_resume_on_ray_at_the_same_layout_is_bit_exact(data_dir, tmp_path, layou
             parts.close()
 
     cluster = connect_or_start("local", num_cpus=4)
-    try:
-        straight = run(tmp_path / "straight", 4)
-        run(tmp_path / "first", 2, save_freq=2)
-        tail = run(tmp_path / "resumed", 4, resume=str(tmp_path / "first" / "ckpt" / "global_step_2"))
+    try:  # the straight run saves at step 2 and goes on: a save that shifted its random streams would fail this too
+        straight = run(tmp_path / "straight", 4, save_freq=2)
+        tail = run(tmp_path / "resumed", 4, resume=str(tmp_path / "straight" / "ckpt" / "global_step_2"))
     finally:
         cluster.shutdown()
     assert len(tail) == 2
