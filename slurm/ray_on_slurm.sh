@@ -52,7 +52,7 @@ mppo_setup_env() {
   MPPO_GPUS="${MPPO_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}"
   MPPO_RAY_PORT="${MPPO_RAY_PORT:-$((6379 + SLURM_JOB_ID % 1000))}"
   # Short and per job: Ray's unix sockets live under it (108-byte path limit) and a stale one hangs ray.init.
-  MPPO_RAY_TMP="/tmp/ray-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"
+  MPPO_RAY_TMP="/tmp/ray-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"  # node i's: ${MPPO_RAY_TMP}-n<i>
   MPPO_RUN_DIR="${MPPO_RUN_DIR:-${MPPO_RUN_ROOT:-outputs/slurm}/${SLURM_JOB_NAME:-job}-${SLURM_JOB_ID}}"
   # shellcheck disable=SC2034  # used by the job scripts that source this file
   MPPO_RUN_ARGS=("trainer.log_dir=${MPPO_RUN_DIR}/logs" "trainer.default_local_dir=${MPPO_RUN_DIR}/checkpoints")
@@ -64,7 +64,7 @@ mppo_setup_env() {
   export RAY_AUTH_MODE=token RAY_AUTH_TOKEN
   mppo_log "run ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID} (restart count); run dir ${MPPO_RUN_DIR}"
   mppo_log "nodes: ${MPPO_NODES[*]} (head ${MPPO_HEAD}); per node ${MPPO_CPUS} CPUs, ${MPPO_GPUS} GPUs;" \
-    "Ray temp dir ${MPPO_RAY_TMP}"
+    "Ray temp dirs ${MPPO_RAY_TMP}-n<node index>"
 }
 
 # One srun step on one node, in the background; its pid is watched.
@@ -77,6 +77,10 @@ mppo_step() {
   MPPO_RAY_STEPS+=("$!")
   MPPO_STEP_NODE[$!]="${node}"
 }
+
+# Node i's Ray temp dir: one per node, as if /tmp were node-local even where it is not (two raylets in one session
+# dir race for their socket names); the index, not the hostname, keeps socket paths under the 108-byte limit.
+mppo_node_tmp() { echo "${MPPO_RAY_TMP}-n$1"; }
 
 mppo_head_ip() {
   # The address the other nodes reach the head at: the first address `hostname -I` lists on the head node.
@@ -93,13 +97,13 @@ mppo_ray_up() {
   trap mppo_on_usr1 USR1
   MPPO_HEAD_IP="$(mppo_head_ip)"
   export RAY_ADDRESS="${MPPO_HEAD_IP}:${MPPO_RAY_PORT}"
-  local common=(--block --temp-dir="${MPPO_RAY_TMP}" --num-cpus="${MPPO_CPUS}" --num-gpus="${MPPO_GPUS}"
-                --disable-usage-stats)
+  local common=(--block --num-cpus="${MPPO_CPUS}" --num-gpus="${MPPO_GPUS}" --disable-usage-stats)
   mppo_step "${MPPO_HEAD}" ray start --head --node-ip-address="${MPPO_HEAD_IP}" --port="${MPPO_RAY_PORT}" \
-    --include-dashboard=false "${common[@]}"
-  local node
-  for node in "${MPPO_NODES[@]:1}"; do
-    mppo_step "${node}" ray start --address="${RAY_ADDRESS}" "${common[@]}"
+    --include-dashboard=false --temp-dir="$(mppo_node_tmp 0)" "${common[@]}"
+  local i
+  for (( i = 1; i < ${#MPPO_NODES[@]}; i++ )); do
+    mppo_step "${MPPO_NODES[i]}" ray start --address="${RAY_ADDRESS}" --temp-dir="$(mppo_node_tmp "${i}")" \
+      "${common[@]}"
   done
   mppo_wait_joined
 }
@@ -179,9 +183,27 @@ mppo_run_driver() {
       mppo_log "driver exited with ${rc}"
       return "${rc}"
     fi
-    mppo_die "node ${MPPO_STEP_NODE[${done_pid}]}: its Ray process (srun step pid ${done_pid}) exited with" \
-      "code ${rc} while the driver was running; stopping the job"
+    mppo_node_lost "${MPPO_STEP_NODE[${done_pid}]}" "${done_pid}" "${rc}"
   done
+}
+
+# A node's Ray step ended while the driver runs: the driver's workers on it are gone too, and the driver names the
+# node with the ranks it held within seconds (distributed/ray_group.py); give it MPPO_NODE_LOSS_GRACE s (default
+# 20) to say so and exit, then stop the job either way.
+mppo_node_lost() {
+  local node="$1" pid="$2" rc="$3" waited=0 grace="${MPPO_NODE_LOSS_GRACE:-20}"
+  mppo_log "node ${node}: its Ray process (srun step pid ${pid}) exited with code ${rc} while the driver was" \
+    "running; waiting up to ${grace} s for the driver to report and exit"
+  while kill -0 "${MPPO_DRIVER_PID}" 2>/dev/null && (( waited < grace )); do sleep 1; waited=$((waited + 1)); done
+  if ! kill -0 "${MPPO_DRIVER_PID}" 2>/dev/null; then
+    set +e
+    wait "${MPPO_DRIVER_PID}"
+    rc=$?
+    set -e
+    MPPO_DRIVER_PID=""
+    mppo_log "driver exited with ${rc} after node ${node} was lost"
+  fi
+  mppo_die "node ${node} lost (its Ray process exited); stopping the job"
 }
 
 # After USR1: give the driver MPPO_CKPT_GRACE s to save and exit (teardown stops it after that); either way the
@@ -226,15 +248,17 @@ teardown() {
     timeout 20 tail --pid="${pid}" -f /dev/null 2>/dev/null || kill -KILL "${pid}" 2>/dev/null
   done
   if [[ -n "${MPPO_RAY_TMP:-}" ]]; then
-    local node
-    for node in "${MPPO_NODES[@]}"; do
+    local i
+    for (( i = 0; i < ${#MPPO_NODES[@]}; i++ )); do
       # Ray's processes name their session dir (<temp dir>/session_...) on their command line; this step's own
-      # command line holds only the temp dir, so it never matches itself.
+      # command line holds only the temp dir, so it never matches itself. In parallel, bounded: a dead node's
+      # srun waits for Slurm to give up on it, and the job must still end promptly.
       # shellcheck disable=SC2016  # expanded on the node
-      timeout 30 srun --overlap --nodes=1 --ntasks=1 --nodelist="${node}" bash -c \
+      timeout 15 srun --overlap --nodes=1 --ntasks=1 --nodelist="${MPPO_NODES[i]}" bash -c \
         'pids=$(pgrep -f -- "$1/session"); [ -n "$pids" ] && kill -KILL $pids; rm -rf "$1"; true' \
-        _ "${MPPO_RAY_TMP}" >/dev/null 2>&1
+        _ "$(mppo_node_tmp "${i}")" >/dev/null 2>&1 &
     done
+    wait
   fi
   mppo_log "teardown done (exit ${rc})"
   # Last: Slurm ends a running job it requeues (SIGTERM, then SIGKILL), so nothing may be left to do here.

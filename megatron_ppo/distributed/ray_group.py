@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from megatron_ppo.distributed.group import WorkerGroup, WorkerGroupError, resolve_worker_class
 from megatron_ppo.distributed.layout import RankCoords, RankLayout
-from megatron_ppo.distributed.placement import RolePlacement
+from megatron_ppo.distributed.placement import RolePlacement, rank_span
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,8 @@ class RayWorkerGroup(WorkerGroup):
         self.role, self.layout, self.placement = role, layout, placement
         self.call_timeout_s, self.grace_s, self.kill_timeout_s = call_timeout_s, grace_s, kill_timeout_s
         self.infos: list[dict | None] = [None] * layout.world_size
+        self.rank_table: list[dict] = []  # every role's rank -> node records (placement.rank_table), for node loss
+        self.node_ports: dict[str, int] = {}  # node ip -> its Ray node manager's port (the liveness probe)
         self.threads: list[int] = []  # per rank, from setup
         self.timings: dict[str, float] = {}
         self.dispatch_s = 0.0  # summed over calls: wall time minus the slowest rank's time in the method
@@ -125,6 +127,7 @@ class RayWorkerGroup(WorkerGroup):
             for rank in range(layout.world_size)]
         try:
             self.infos = self._wait([a.info.remote() for a in self.actors], "start", setup_timeout_s)
+            self.node_ports = {n["NodeManagerAddress"]: n["NodeManagerPort"] for n in ray.nodes() if n.get("Alive")}
             self.timings["spawn_s"] = time.perf_counter() - start
             master_addr = self.infos[0]["node_ip"]
             master_port = self._wait([self.actors[0].free_port.remote()], "free_port", setup_timeout_s,
@@ -213,8 +216,39 @@ class RayWorkerGroup(WorkerGroup):
 
     def _where(self, rank: int) -> str:
         info = self.infos[rank] or {}
-        return (f"{self.role} rank {rank} ({self.layout.coords(rank)}) on node {info.get('node_ip', '?')} "
+        host = f"{info['host']} " if info.get("host") and info.get("host") != info.get("node_ip") else ""
+        return (f"{self.role} rank {rank} ({self.layout.coords(rank)}) on node {host}{info.get('node_ip', '?')} "
                 f"pid {info.get('pid', '?')}")
+
+    def lost_nodes(self, timeout_s: float = 2.0) -> list[str]:
+        """One line per node of this group's ranks whose Ray node manager does not accept a TCP connection within
+        ``timeout_s`` (a node that died, or whose link went down), naming the ranks it held: every role's, from
+        ``rank_table`` when the driver set it, else this role's."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        nodes = {}
+        for info in self.infos:
+            if info and info.get("node_ip") in self.node_ports:
+                nodes.setdefault(info["node_ip"], info.get("host", ""))
+        if not nodes:
+            return []
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            answers = dict(zip(nodes, pool.map(lambda ip: _probe(ip, self.node_ports[ip], timeout_s), nodes)))
+        lines = []
+        for ip, problem in answers.items():
+            if problem is None:
+                continue
+            table = self.rank_table or [{"role": self.role, "rank": r, "ip": (i or {}).get("node_ip")}
+                                        for r, i in enumerate(self.infos)]
+            held: dict[str, list[int]] = {}
+            for row in table:
+                if row.get("ip") == ip:
+                    held.setdefault(row["role"], []).append(row["rank"])
+            ranks = "; ".join(f"{role} ranks {rank_span(rs)}" for role, rs in held.items()) or "no ranks known"
+            name = f"{nodes[ip]} ({ip})" if nodes[ip] and nodes[ip] != ip else ip
+            lines.append(f"node {name} lost: its Ray node manager at {ip}:{self.node_ports[ip]} does not answer "
+                         f"({problem}); it held {ranks}")
+        return lines
 
     def _fail(self, what: str, errors: list, silent_ranks, timed_out: float | None = None):
         """Kill the group and raise: deaths first (they cause their peers' gloo errors), then raised errors."""
@@ -237,6 +271,7 @@ class RayWorkerGroup(WorkerGroup):
             summaries.append(f"{self.role}: {what!r} did not finish within {timed_out:.0f} s (call timeout)")
         if silent:
             summaries.append(f"{self.role} ranks {silent} had not answered")
+        summaries = self.lost_nodes() + summaries  # a lost node is the root cause of its peers' errors
         self.shutdown(graceful=False)
         message = "\n".join([summaries[0]] + [f"also: {s}" for s in summaries[1:]] + details + [
             f"all {self.layout.world_size} {self.role} ranks ({self.layout}) were killed (a torch.distributed "
@@ -279,6 +314,15 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its remote tracebacks for t
 
 def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.splitlines())
+
+
+def _probe(ip: str, port: int, timeout_s: float) -> str | None:
+    """None if something accepts a TCP connection at ip:port within ``timeout_s``, else why not."""
+    try:
+        with socket.create_connection((ip, port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return type(e).__name__ if not e.strerror else e.strerror.lower()
 
 
 def _child_pids(pids: list[int]) -> list[int]:

@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                         "choices it does not make (optimizer without/with the distributed optimizer, activations "
                         "without recompute)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--placement", action="store_true", help="the rank -> node table of the configured layouts "
+                   "(Ray's placement as the driver seats the ranks: nodes filled in order, TP peers together); "
+                   "with --json one record per rank")
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     return p
 
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ppo.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # the config checks run here: errors name the key
+    if args.placement:
+        return placement_main(cfg, args.json)
     gpus = args.gpus or cfg.cluster.world_size
     per_node = min(cfg.cluster.n_gpus_per_node, gpus)
     if gpus % per_node:
@@ -239,6 +244,29 @@ def main(argv: list[str] | None = None) -> int:
             f"decode), max lengths: {times['step']:.1f} s ({phases}); {times['tokens_per_s']:.0f} tokens/s"]
     print("\n".join(out))
     return 0 if not problems else 1
+
+
+def placement_main(cfg, as_json: bool) -> int:
+    """`plan --placement`: where every rank of every role lands (the same records as a run's placement.json,
+    nodes named node0.. in the order Ray's PACK fills them; a run names the real hosts)."""
+    from megatron_ppo.distributed.placement import format_rank_table, rank_table, split_tp_groups
+    from megatron_ppo.trainer.groups import layouts, plan
+
+    c = cfg.cluster
+    role_layouts = layouts(cfg)
+    table = rank_table(role_layouts, plan(cfg, node_cpus=1))  # CPUs per rank do not move ranks between nodes
+    if as_json:
+        print(json.dumps(table, indent=1))
+        return 0
+    out = [f"megatron-ppo plan --placement: {c.nnodes} node(s) x {c.n_gpus_per_node} slots, {c.placement} "
+           "placement; per node, the ranks of each role [their tp / pp / dp coordinates]:"]
+    out += ["  " + line for line in format_rank_table(table)]
+    for role, layout in role_layouts.items():
+        split_groups = split_tp_groups(layout, [r["node"] for r in table if r["role"] == role])
+        out.append(f"{role}: {layout}; " + (f"{len(split_groups)} TP group(s) span nodes: {split_groups[:4]}"
+                                             if split_groups else "every TP group inside one node"))
+    print("\n".join(out))
+    return 0
 
 
 if __name__ == "__main__":

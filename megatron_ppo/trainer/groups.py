@@ -128,10 +128,13 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
 
             placement = plan(cfg, ray_node_cpu_count())  # bundles sized from the cluster's nodes, not this one's
         out.placement = create_placement(placement)
+        table = log_rank_table(layouts(cfg), out.placement)
+        write_rank_table(table, cfg.trainer.log_dir)
         for role, layout in layouts(cfg).items():
             extra = {"total_steps": total_steps} if roles.spec(role).trainable else {}
             out.groups[role] = RayWorkerGroup(role, layout, placement.roles[role], classes[role], {**kwargs, **extra},
                                               seed=cfg.trainer.seed, collective_timeout_s=cfg.cluster.collective_timeout_s)
+            out.groups[role].rank_table = table  # a lost node is named with every role's ranks on it
             rp, threads = placement.roles[role], sorted(set(out.groups[role].threads))
             log.info("%s: %s on Ray, %s torch thread(s) per rank (bundle of %g CPUs%s), up in %.1f s", role, layout,
                      "/".join(map(str, threads)), placement.pools[rp.pool][0].get("CPU", 0),
@@ -141,3 +144,38 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
     except BaseException:
         out.close()
         raise
+
+
+def log_rank_table(role_layouts: dict, placement) -> list[dict]:
+    """Log where Ray seated every rank (one line per node) and warn about TP groups that span nodes; returns the
+    rank table (placement.rank_table)."""
+    from megatron_ppo.distributed.placement import format_rank_table, rank_table, split_tp_groups
+
+    table = rank_table(role_layouts, placement)
+    nodes = {row["node"] for row in table}
+    log.info("placement: %d rank(s) on %d node(s)\n  %s", len(table), len(nodes),
+             "\n  ".join(format_rank_table(table)))
+    for role, layout in role_layouts.items():
+        rows = [row for row in table if row["role"] == role]
+        split = split_tp_groups(layout, [row["node"] for row in rows])
+        if split:
+            log.warning("%s: %d TP group(s) span nodes (ranks %s): TP collectives cross the network; make "
+                        "cluster.n_gpus_per_node a multiple of TP=%d", role, len(split), split[:4], layout.tp)
+    return table
+
+
+PLACEMENT_FILE = "placement.json"  # in trainer.log_dir: the rank -> node table of the run's Ray groups
+
+
+def write_rank_table(table: list[dict], log_dir: str | None) -> None:
+    """``<log_dir>/placement.json``: one record per rank (role, rank, tp, pp, dp, pool, bundle, node, ip), the
+    same records as ``megatron-ppo plan --placement --json`` plans."""
+    if not log_dir:
+        return
+    import json
+
+    os.makedirs(log_dir, exist_ok=True)
+    tmp = os.path.join(log_dir, PLACEMENT_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1)
+    os.replace(tmp, os.path.join(log_dir, PLACEMENT_FILE))

@@ -15,6 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from cluster import SlurmCluster, installed  # noqa: E402
 
+from megatron_ppo.testing.netns_cluster import NetnsSlurmCluster, can_make_netns  # noqa: E402
+
 
 def _need(what: str, ok: bool) -> None:
     if ok:
@@ -39,3 +41,17 @@ def slurm_cluster(tmp_path_factory):
 def shellcheck():
     _need("shellcheck", shutil.which("shellcheck") is not None)
     return shutil.which("shellcheck")
+
+
+@pytest.fixture(scope="module")
+def netns_cluster(tmp_path_factory):
+    """Three nodes as network namespaces with a slurmd each (megatron_ppo/testing/netns_cluster.py), removed at the
+    end, also when a test fails."""
+    _need("Slurm (slurmctld, slurmd, slurm-client)", installed())
+    ok, why = can_make_netns()
+    _need(f"network namespaces ({why})", ok)
+    cluster = NetnsSlurmCluster(tmp_path_factory.mktemp("netns_slurm"), n=3).up()
+    try:
+        yield cluster
+    finally:
+        cluster.down()
