@@ -34,7 +34,7 @@ from megatron_ppo.distributed.layout import ClusterSlots, LayoutError, RankLayou
 __all__ = ["RankResources", "RolePlacement", "PlacementPlan", "NodeInfo", "plan_placement", "create_placement",
            "remove_placement", "auto_cpus_per_rank", "bundles_per_node", "local_cpu_count", "ray_node_cpu_count",
            "node_ordered_bundles", "planned_bundle_nodes", "rank_table", "split_tp_groups", "format_rank_table",
-           "rank_span"]
+           "rank_span", "node_key"]
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,8 @@ def _bundle_nodes(pg) -> list[NodeInfo]:
 
 
 def rank_table(layouts: Mapping[str, RankLayout], plan: PlacementPlan) -> list[dict]:
-    """One record per rank of every role: role, rank, tp, pp, dp, bundle, node (host), ip."""
+    """One record per rank of every role: role, rank, tp, pp, dp, pool, bundle, node (host), ip, node_id (Ray's;
+    '' in a plan). Several Ray nodes on one host (ray.cluster_utils) share host and ip: node_id tells them apart."""
     rows = []
     for role, layout in layouts.items():
         rp = plan.roles[role]
@@ -264,8 +265,14 @@ def rank_table(layouts: Mapping[str, RankLayout], plan: PlacementPlan) -> list[d
             c = layout.coords(rank)
             node = rp.nodes[rank] if rank < len(rp.nodes) else NodeInfo("?")
             rows.append({"role": role, "rank": rank, "tp": c.tp, "pp": c.pp, "dp": c.dp, "pool": rp.pool,
-                         "bundle": rp.bundle_indices[rank], "node": node.host, "ip": node.ip})
+                         "bundle": rp.bundle_indices[rank], "node": node.host, "ip": node.ip,
+                         "node_id": node.node_id})
     return rows
+
+
+def node_key(row: Mapping) -> str:
+    """What tells a rank table record's node apart: Ray's node id, else (a plan) the node name."""
+    return row.get("node_id") or row["node"]
 
 
 def split_tp_groups(layout: RankLayout, rank_nodes: Sequence[str]) -> list[list[int]]:
@@ -283,11 +290,15 @@ def format_rank_table(rows: Sequence[Mapping]) -> list[str]:
     """Per node, the ranks it holds: 'node0 (10.0.0.10): actor 0-1 [tp0-1 pp0 dp0]; critic 0-1 ...'."""
     by_node: dict[tuple, dict[str, list]] = {}
     for r in rows:
-        by_node.setdefault((r["node"], r.get("ip", "")), {}).setdefault(r["role"], []).append(r)
+        key = (r["node"], r.get("ip", ""), r.get("node_id", ""))
+        by_node.setdefault(key, {}).setdefault(r["role"], []).append(r)
+    names = [str(NodeInfo(host, ip)) for host, ip, _ in by_node]
     lines = []
-    for (host, ip), roles in by_node.items():
+    for ((host, ip, node_id), roles), name in zip(by_node.items(), names):
+        if names.count(name) > 1:  # several Ray nodes on one host
+            name += f" node {node_id[:8]}"
         parts = [f"{role} {rank_span([r['rank'] for r in rs])} [{_coords(rs)}]" for role, rs in roles.items()]
-        lines.append(f"{NodeInfo(host, ip)}: " + "; ".join(parts))
+        lines.append(f"{name}: " + "; ".join(parts))
     return lines
 
 

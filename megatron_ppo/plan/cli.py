@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 def placement_main(cfg, as_json: bool) -> int:
     """`plan --placement`: where every rank of every role lands (the same records as a run's placement.json,
     nodes named node0.. in the order Ray's PACK fills them; a run names the real hosts)."""
-    from megatron_ppo.distributed.placement import format_rank_table, rank_table, split_tp_groups
+    from megatron_ppo.distributed.placement import format_rank_table, node_key, rank_table, split_tp_groups
     from megatron_ppo.trainer.groups import layouts, plan
 
     c = cfg.cluster
@@ -262,7 +262,7 @@ def placement_main(cfg, as_json: bool) -> int:
            "placement; per node, the ranks of each role [their tp / pp / dp coordinates]:"]
     out += ["  " + line for line in format_rank_table(table)]
     for role, layout in role_layouts.items():
-        split_groups = split_tp_groups(layout, [r["node"] for r in table if r["role"] == role])
+        split_groups = split_tp_groups(layout, [node_key(r) for r in table if r["role"] == role])
         out.append(f"{role}: {layout}; " + (f"{len(split_groups)} TP group(s) span nodes: {split_groups[:4]}"
                                              if split_groups else "every TP group inside one node"))
     print("\n".join(out))

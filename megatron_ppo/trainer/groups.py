@@ -149,15 +149,15 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
 def log_rank_table(role_layouts: dict, placement) -> list[dict]:
     """Log where Ray seated every rank (one line per node) and warn about TP groups that span nodes; returns the
     rank table (placement.rank_table)."""
-    from megatron_ppo.distributed.placement import format_rank_table, rank_table, split_tp_groups
+    from megatron_ppo.distributed.placement import format_rank_table, node_key, rank_table, split_tp_groups
 
     table = rank_table(role_layouts, placement)
-    nodes = {row["node"] for row in table}
+    nodes = {node_key(row) for row in table}
     log.info("placement: %d rank(s) on %d node(s)\n  %s", len(table), len(nodes),
              "\n  ".join(format_rank_table(table)))
     for role, layout in role_layouts.items():
         rows = [row for row in table if row["role"] == role]
-        split = split_tp_groups(layout, [row["node"] for row in rows])
+        split = split_tp_groups(layout, [node_key(row) for row in rows])
         if split:
             log.warning("%s: %d TP group(s) span nodes (ranks %s): TP collectives cross the network; make "
                         "cluster.n_gpus_per_node a multiple of TP=%d", role, len(split), split[:4], layout.tp)
