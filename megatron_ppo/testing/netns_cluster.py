@@ -176,6 +176,9 @@ class NetnsNodes:
         """The node's cable pulled: its processes live on, nobody reaches them."""
         _ip("link", "set", node.veth, "down")
 
+    def link_up(self, node: Node) -> None:
+        _ip("link", "set", node.veth, "up")
+
     def down(self) -> None:
         for n in self.nodes:
             if _ip("netns", "pids", n.netns, check=False).returncode == 0:
@@ -229,7 +232,9 @@ class NetnsSlurmCluster:
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
             "MpiDefault=none", "ReturnToService=2", "JobRequeue=1",
             "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
-            "MinJobAge=2", "KillWait=5", "InactiveLimit=0", "SlurmctldTimeout=30", "SlurmdTimeout=30",
+            # SlurmdTimeout 120 (Slurm's default is 300): a node killed by a test must not be declared DOWN before
+            # the job has ended by itself, or Slurm requeues the job (NODE_FAIL with --requeue)
+            "MinJobAge=2", "KillWait=5", "InactiveLimit=0", "SlurmctldTimeout=30", "SlurmdTimeout=120",
             "SchedulerParameters=sched_interval=1", "MessageTimeout=10",
             *(f"NodeName={n.name} NodeAddr={n.addr} NodeHostname={n.name} {res} State=UNKNOWN"
               for n in self.nodes),

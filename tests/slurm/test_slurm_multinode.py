@@ -118,3 +118,39 @@ def test_a_killed_node_ends_the_job_within_60_s_naming_it(netns_cluster, tmp_pat
     left = processes_naming(f"/tmp/ray-{job_id}-") + processes_naming(str(run_dir))
     assert not left, [p.cmdline()[:3] for p in left]
     print(f"job {job_id}: node2 killed ({len(killed)} processes), job {state} {took:.0f} s later")
+    netns_cluster.restart_node("node2")  # a fresh slurmd: node2 back for the next test
+
+
+def test_a_node_that_never_joins_is_named_within_the_join_timeout(netns_cluster, tmp_path):
+    """node2's link is down when the job starts (Slurm has not noticed yet): its Ray worker cannot reach the head;
+    the bring-up names node2 once MPPO_RAY_JOIN_TIMEOUT (20 s here) has passed, the job fails, nothing is left."""
+    victim = netns_cluster.net.node("node2")
+    root, out = tmp_path / "runs", tmp_path / "job.out"
+    netns_cluster.net.link_down(victim)
+    try:
+        r = netns_cluster.run("sbatch", "--parsable", "--nodes=3", f"--output={out}",
+                              f"--export=ALL,MPPO_RUN_ROOT={root},MPPO_RAY_JOIN_TIMEOUT=20", "slurm/ppo_tiny.sh",
+                              "cluster.nnodes=3", "cluster.n_gpus_per_node=2", cwd=REPO)
+        job_id = r.stdout.strip().split(";")[0]
+        started = None
+        deadline = time.monotonic() + 120
+        while started is None:
+            text = out.read_text(errors="replace") if out.exists() else ""
+            if "waiting up to 20 s" in text:
+                started = time.monotonic()
+            assert time.monotonic() < deadline, f"{netns_cluster.job_state(job_id)}\n{text[-3000:]}"
+            time.sleep(0.2)
+        state = netns_cluster.wait_done(job_id, timeout=120)
+        took = time.monotonic() - started
+    finally:
+        netns_cluster.net.link_up(victim)
+    text = out.read_text(errors="replace")
+    assert "Ray cluster incomplete after 20 s: missing: node2" in text, text[-4000:]
+    assert state != "COMPLETED" and took < 60, (state, took, text[-3000:])
+    assert "driver pid" not in text  # the driver never started
+    time.sleep(2)
+    assert not processes_naming(f"/tmp/ray-{job_id}-"), [p.cmdline()[:3] for p in processes_naming(f"/tmp/ray-{job_id}-")]
+    # node2 back for whatever runs next: Slurm marked it DOWN while its link was down; a fresh slurmd registers
+    netns_cluster.net.kill_node(victim)
+    netns_cluster.restart_node("node2")
+    print(f"job {job_id}: node2 unreachable, named {took:.0f} s after the join wait began ({state})")
