@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ppo.testing.slurm_client import SlurmClient
+
 SLURMCTLD_PORT, SLURMD_PORT = 6817, 6818  # each node has its own port space
 OWNER_FILE = "mppo_owner"  # /etc/netns/<ns>/mppo_owner: "<pid of the creator> <bridge> <veth>"
 
@@ -189,7 +191,7 @@ class NetnsNodes:
         _ip("link", "del", self.bridge, check=False)
 
 
-class NetnsSlurmCluster:
+class NetnsSlurmCluster(SlurmClient):
     """Slurm over ``NetnsNodes``: slurmctld on node0, a slurmd per node, config/state/logs under ``root``. The
     client commands (sbatch, scontrol, ...) run on the host with ``SLURM_CONF`` set and reach slurmctld over the
     bridge. Methods match tests/slurm/cluster.py's one-node cluster (run, job_state, job_fields, wait_done)."""
@@ -203,10 +205,6 @@ class NetnsSlurmCluster:
     @property
     def nodes(self) -> list[Node]:
         return self.net.nodes
-
-    @property
-    def env(self) -> dict:
-        return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def _node_resources(self) -> str:
         """CPUs=... RealMemory=... as ``slurmd -C`` measures this machine (every node reports the same)."""
@@ -291,34 +289,6 @@ class NetnsSlurmCluster:
             if path.exists() and path.stat().st_size:
                 return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
         return "(no log)"
-
-    def run(self, *cmd, check: bool = True, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
-        r = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
-        if check and r.returncode:
-            raise RuntimeError(f"{' '.join(map(str, cmd))}: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
-        return r
-
-    def job_fields(self, job_id: str) -> dict:
-        r = self.run("scontrol", "show", "job", job_id, check=False)
-        return dict(tok.split("=", 1) for tok in r.stdout.split() if "=" in tok) if r.returncode == 0 else {}
-
-    def job_state(self, job_id: str) -> str:
-        return self.job_fields(job_id).get("JobState", "GONE")
-
-    def wait_done(self, job_id: str, timeout: float, seen: list | None = None) -> str:
-        final = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                 "DEADLINE", "PREEMPTED", "GONE")
-        deadline = time.monotonic() + timeout
-        state = ""
-        while time.monotonic() < deadline:
-            fields = self.job_fields(job_id)
-            state = fields.get("JobState", "GONE")
-            if seen is not None and (not seen or seen[-1][0] != state):
-                seen.append((state, fields.get("Restarts")))
-            if state in final:
-                return state
-            time.sleep(0.5)
-        raise AssertionError(f"job {job_id} still {state} after {timeout} s")
 
     def down(self) -> None:
         """Cancel jobs, stop the daemons, kill whatever is left on each node, remove the network."""

@@ -1,0 +1,49 @@
+"""Slurm's client commands against a test cluster's config (``SLURM_CONF``): run one, read a job's fields, wait
+for it to end. Shared by tests/slurm/cluster.py (one node) and testing/netns_cluster.py (several)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                "DEADLINE", "PREEMPTED", "GONE")
+
+
+class SlurmClient:
+    conf: Path
+
+    @property
+    def env(self) -> dict:
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def run(self, *cmd, check: bool = True, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
+        r = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        if check and r.returncode:
+            raise RuntimeError(f"{' '.join(map(str, cmd))}: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def job_fields(self, job_id: str) -> dict:
+        """`scontrol show job` as key -> value (first token of each Key=value), {} once the job is gone."""
+        r = self.run("scontrol", "show", "job", job_id, check=False)
+        return dict(tok.split("=", 1) for tok in r.stdout.split() if "=" in tok) if r.returncode == 0 else {}
+
+    def job_state(self, job_id: str) -> str:
+        """JobState from scontrol, or GONE once the record has aged out (MinJobAge)."""
+        return self.job_fields(job_id).get("JobState", "GONE")
+
+    def wait_done(self, job_id: str, timeout: float, seen: list | None = None) -> str:
+        """Poll until the job is in a final state (or gone); a requeued job passes through REQUEUED and PENDING
+        again, which are not final. ``seen`` collects each state change, for the caller's assertions."""
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            fields = self.job_fields(job_id)
+            state = fields.get("JobState", "GONE")
+            if seen is not None and (not seen or seen[-1][0] != state):
+                seen.append((state, fields.get("Restarts")))
+            if state in FINAL_STATES:
+                return state
+            time.sleep(0.5)
+        raise AssertionError(f"job {job_id} still {state} after {timeout} s")
