@@ -89,6 +89,10 @@ def test_three_nodes_tp_inside_a_node_dp_across_equal_one_node(netns_cluster, tm
 
 
 def test_a_killed_node_ends_the_job_within_60_s_naming_it(netns_cluster, tmp_path):
+    """No requeue onto the nodes that are left: the job asks for exactly 3 nodes (TP2 x DP3 on 2 slots each), so a
+    requeued job would wait for a third node; resuming on 2 would be a `--nodes=2-3` job whose run restarts at DP2
+    from a DP3 checkpoint (cluster.nnodes from the allocation, a resharding resume), not built yet. The job fails
+    by itself before Slurm declares the node down (SlurmdTimeout 120 s here), so Slurm does not requeue it."""
     job_id, run_dir, out = _submit(netns_cluster, tmp_path, 200)
     metrics = run_dir / "logs" / "metrics.jsonl"
     deadline = time.monotonic() + 600
