@@ -230,9 +230,9 @@ class NetnsSlurmCluster(SlurmClient):
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
             "MpiDefault=none", "ReturnToService=2", "JobRequeue=1",
             "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
-            # SlurmdTimeout 120 (Slurm's default is 300): a node killed by a test must not be declared DOWN before
-            # the job has ended by itself, or Slurm requeues the job (NODE_FAIL with --requeue)
-            "MinJobAge=2", "KillWait=5", "InactiveLimit=0", "SlurmctldTimeout=30", "SlurmdTimeout=120",
+            # SlurmdTimeout 30 (Slurm's default is 300): a job that ran on a killed node stays COMPLETING until
+            # Slurm declares the node DOWN; tests of node loss submit with --no-requeue, so NODE_FAIL never requeues
+            "MinJobAge=2", "KillWait=5", "InactiveLimit=0", "SlurmctldTimeout=30", "SlurmdTimeout=30",
             "SchedulerParameters=sched_interval=1", "MessageTimeout=10",
             *(f"NodeName={n.name} NodeAddr={n.addr} NodeHostname={n.name} {res} State=UNKNOWN"
               for n in self.nodes),
