@@ -216,8 +216,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def _where(self, rank: int) -> str:
         info = self.infos[rank] or {}
-        host = f"{info['host']} " if info.get("host") and info.get("host") != info.get("node_ip") else ""
-        return (f"{self.role} rank {rank} ({self.layout.coords(rank)}) on node {host}{info.get('node_ip', '?')} "
+        return (f"{self.role} rank {rank} ({self.layout.coords(rank)}) on node {info.get('node_ip', '?')} "
                 f"pid {info.get('pid', '?')}")
 
     def lost_nodes(self, timeout_s: float = 2.0) -> list[str]:
