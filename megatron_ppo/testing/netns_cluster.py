@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ppo.testing.slurm_client import SlurmClient
+from megatron_ppo.testing.slurm_client import TEST_CLUSTER_SETTINGS, SlurmClient
 
 SLURMCTLD_PORT, SLURMD_PORT = 6817, 6818  # each node has its own port space
 OWNER_FILE = "mppo_owner"  # /etc/netns/<ns>/mppo_owner: "<pid of the creator> <bridge> <veth>"
@@ -221,19 +221,12 @@ class NetnsSlurmCluster(SlurmClient):
             "ClusterName=mppo-netns",
             f"SlurmctldHost={head.name}({head.addr})",
             f"SlurmctldPort={SLURMCTLD_PORT}", f"SlurmdPort={SLURMD_PORT}",
-            "AuthType=auth/none", "CredType=cred/none",
-            "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool/%n",
             f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd-%n.pid",
             f"SlurmctldLogFile={r}/slurmctld.log", f"SlurmdLogFile={r}/slurmd-%n.log",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
-            "MpiDefault=none", "ReturnToService=2", "JobRequeue=1",
-            "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
-            # SlurmdTimeout 30 (Slurm's default is 300): a job that ran on a killed node stays COMPLETING until
-            # Slurm declares the node DOWN; tests of node loss submit with --no-requeue, so NODE_FAIL never requeues
-            "MinJobAge=2", "KillWait=5", "InactiveLimit=0", "SlurmctldTimeout=30", "SlurmdTimeout=30",
-            "SchedulerParameters=sched_interval=1", "MessageTimeout=10",
+            # a job that ran on a killed node stays COMPLETING until Slurm declares the node DOWN (SlurmdTimeout);
+            # tests of node loss submit with --no-requeue, so that NODE_FAIL never requeues them
+            *TEST_CLUSTER_SETTINGS,
             *(f"NodeName={n.name} NodeAddr={n.addr} NodeHostname={n.name} {res} State=UNKNOWN"
               for n in self.nodes),
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",

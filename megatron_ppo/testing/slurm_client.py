@@ -11,6 +11,19 @@ FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
                 "DEADLINE", "PREEMPTED", "GONE")
 
 
+# slurm.conf lines both test clusters share: no munge, root daemons, linuxproc, no accounting, quick scheduling and
+# short timeouts (a dead node is declared DOWN 30 s after its death; Slurm's default is 300 s)
+TEST_CLUSTER_SETTINGS = (
+    "AuthType=auth/none", "CredType=cred/none", "SlurmUser=root", "SlurmdUser=root",
+    "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+    "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
+    "MpiDefault=none", "ReturnToService=2", "JobRequeue=1",
+    "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
+    "MinJobAge=2", "KillWait=5", "InactiveLimit=0", "SlurmctldTimeout=30", "SlurmdTimeout=30",
+    "SchedulerParameters=sched_interval=1", "MessageTimeout=10",
+)
+
+
 class SlurmClient:
     conf: Path
 

@@ -14,7 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from megatron_ppo.testing.slurm_client import FINAL_STATES, SlurmClient  # noqa: F401 (FINAL_STATES: the tests')
+from megatron_ppo.testing.slurm_client import (FINAL_STATES, TEST_CLUSTER_SETTINGS,  # noqa: F401 (FINAL_STATES:
+                                              SlurmClient)  # the tests import it from here)
 
 DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "sinfo", "scontrol", "srun", "sacct")
@@ -94,17 +95,10 @@ class SlurmCluster(SlurmClient):
             "ClusterName=mppo-test",
             f"SlurmctldHost={socket.gethostname()}",
             f"SlurmctldPort={ctld_port}", f"SlurmdPort={d_port}",
-            "AuthType=auth/none", "CredType=cred/none",
-            "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool",
             f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd.pid",
             f"SlurmctldLogFile={r}/slurmctld.log", f"SlurmdLogFile={r}/slurmd.log",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
-            "MpiDefault=none", "ReturnToService=2", "JobRequeue=1",
-            "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
-            "MinJobAge=2", "KillWait=5", "InactiveLimit=0", "SlurmctldTimeout=30", "SlurmdTimeout=30",
-            "SchedulerParameters=sched_interval=1", "MessageTimeout=10",
+            *TEST_CLUSTER_SETTINGS,
             node,
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
             "",
