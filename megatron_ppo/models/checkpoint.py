@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ppo.compat import mcore as mcore_compat
+from megatron_ppo.models.heap import release_free_heap
 from megatron_ppo.models.unwrap import unwrap_model
 
 META_FILE = "megatron_ppo_model.json"
@@ -50,7 +51,12 @@ def save_checkpoint(model, directory: str, optimizer=None) -> None:
     state = {"model": core.sharded_state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=OPTIMIZER_METADATA)
-    dist_checkpointing.save(state, tmp)
+    release_free_heap()  # the save's copies start from the live state, not on top of the rank's last peak (heap.py)
+    try:
+        dist_checkpointing.save(state, tmp)
+    finally:
+        del state
+        release_free_heap()
     if _rank() == 0:
         meta = {
             "role": getattr(core, "role", None),
