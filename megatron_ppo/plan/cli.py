@@ -15,7 +15,9 @@ import json
 import sys
 
 from megatron_ppo.errors import UsageError
-from megatron_ppo.plan.layouts import MARGIN, colocated, enumerate_layouts, recommend_pp, role_specs, step_time, with_world
+from megatron_ppo.plan import comm
+from megatron_ppo.plan.layouts import (MARGIN, colocated, comm_times, enumerate_layouts, recommend_pp, role_specs,
+                                       step_time, with_world)
 from megatron_ppo.plan.memory import GIB, Hardware, Memory, total_params
 
 # What a row's total is made of (Memory.total = resident + transient, memory.py): the resident parts, held all run,
@@ -70,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200: 989)")
     p.add_argument("--hbm-tbps", type=float, default=3.35, help="memory bandwidth per GPU (H100 3.35, H200 4.8)")
     p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation of the training/forward phases")
+    p.add_argument("--intra-node-gbs", type=float, default=450.0,
+                   help="NVLink GB/s per GPU and direction for groups inside a node (H100/H200 SXM: 450)")
+    p.add_argument("--inter-node-gbs", type=float, default=50.0,
+                   help="network GB/s per GPU and direction between nodes (one 400 Gb/s NIC per GPU: 50)")
+    p.add_argument("--dp-overlap", type=float, default=0.0,
+                   help="share of the DP gradient collectives hidden behind the backward pass (0: this driver)")
     p.add_argument("--all", action="store_true", help="list infeasible layouts too (default: feasible + counts)")
     p.add_argument("--breakdown", action="store_true",
                    help="a second line per layout: the transient phase not in its total and the memory of the "
@@ -180,11 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     if gpus % per_node:
         raise UsageError(f"--gpus {gpus} is not a multiple of cluster.n_gpus_per_node "
                          f"({cfg.cluster.n_gpus_per_node})")
-    hw = Hardware(args.gpu_mem_gib, args.peak_tflops, args.hbm_tbps, args.mfu, args.headroom_gib)
+    hw = Hardware(args.gpu_mem_gib, args.peak_tflops, args.hbm_tbps, args.mfu, args.headroom_gib,
+                  intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs, dp_overlap=args.dp_overlap)
     specs = with_world(role_specs(cfg, gpus), gpus)
     rows, total, problems = colocated(specs, hw, per_node)
     best_pp = recommend_pp(specs, gpus, hw, per_node)
-    times = step_time(specs, gpus, hw)
+    times = step_time(specs, gpus, hw, per_node)
+    comms = comm_times(specs, hw, per_node)
+    sync = weight_sync_note(cfg)
     listing = {role: enumerate_layouts(spec, gpus, per_node, hw) for role, spec in specs.items()}
     colo_role = max(rows, key=lambda r: rows[r].mem.transient)
     colo_resident = {r: row.mem.resident for r, row in rows.items()}
@@ -200,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                           "transient_phase": peak_phase(rows[colo_role].mem)},
             "colocated_gib": total / GIB, "fits": not problems, "problems": problems, "recommended_pp": best_pp,
             "step_time_s": times,
+            # communication per phase (in step_time_s as <phase>_comm, comm and step); plan/comm.py
+            "comm_s": comms, "comm_assumptions": comm.ASSUMPTIONS, "weight_sync": sync,
             "layouts": {r: [{"layout": row.layout.label(), "tp": row.layout.tp, "pp": row.layout.pp,
                              "dp": row.layout.dp, "recompute": row.layout.recompute, "offload": row.layout.offload,
                              "memory_gib": memory_json(row.mem), "feasible": row.feasible, "problems": row.problems}
@@ -239,11 +252,39 @@ def main(argv: list[str] | None = None) -> int:
                + ("FITS" if not problems else "DOES NOT FIT: " + "; ".join(problems)))
     out.append(f"  smallest PP at which the colocated roles fit with {MARGIN:.0%} to spare (TP and the rest as "
                f"configured): {best_pp}")
-    phases = ", ".join(f"{k} {v:.1f}" for k, v in times.items() if k not in ("step", "tokens_per_s"))
-    out += ["", f"estimated step time at MFU {hw.mfu:g} ({hw.peak_tflops:g} TFLOP/s peak, {hw.hbm_tbps:g} TB/s "
-            f"decode), max lengths: {times['step']:.1f} s ({phases}); {times['tokens_per_s']:.0f} tokens/s"]
+    out += ["", *_time_lines(times, comms, hw, gpus, sync)]
     print("\n".join(out))
     return 0 if not problems else 1
+
+
+def weight_sync_note(cfg) -> str:
+    """What the step time assumes about moving the trained weights to the rollout engine."""
+    if cfg.rollout.name == "megatron":
+        return "none: rollout.name=megatron decodes with the actor's own shards (no copy, no resharding)"
+    return (f"not modelled: rollout.name={cfg.rollout.name} reloads a resharded copy each step (and the generation "
+            "time is the Megatron engine's at the actor's layout)")
+
+
+def _time_lines(times: dict, comms: dict, hw: Hardware, gpus: int, sync: str) -> list[str]:
+    """The step-time estimate: per phase its compute (or decode) and communication seconds, then the step (in ms
+    when the whole step is under a second, as for tiny configs)."""
+    unit, scale = ("s", 1.0) if times["step"] >= 1 else ("ms", 1e3)
+
+    def row(name, compute, c, total):
+        return [name, f"{compute * scale:.2f}", *(f"{c[k] * scale:.2f}" for k in ("tp", "pp", "dp")),
+                f"{total * scale:.2f}", f"{(total - compute) / total:.0%}" if total else "-"]
+
+    cells = [row(phase, times[phase], c, times[phase] + times[phase + "_comm"]) for phase, c in comms.items()]
+    cells.append(row("step", times["step"] - times["comm"],
+                     {k: sum(c[k] for c in comms.values()) for k in ("tp", "pp", "dp")}, times["step"]))
+    return [f"estimated step time ({unit}) at max lengths: compute at MFU {hw.mfu:g} of {hw.peak_tflops:g} TFLOP/s "
+            f"(decode at {hw.hbm_tbps:g} TB/s); communication at {hw.intra_node_gbs:g} GB/s inside a node, "
+            f"{hw.inter_node_gbs:g} GB/s between nodes",
+            f"per GPU ({comm.ASSUMPTIONS}; plan/comm.py):",
+            *_table(["phase", "compute", "tp_comm", "pp_comm", "dp_comm", "total", "comm share"], cells),
+            f"  {times['step'] * scale:.2f} {unit} per step ({times['comm'] * scale:.2f} {unit} of it communication); "
+            f"{times['tokens_per_s']:.0f} tokens/s, {times['tokens_per_s'] / gpus:.0f} per GPU",
+            f"  weight sync to the rollout engine: {sync}"]
 
 
 def placement_main(cfg, as_json: bool) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from megatron_ppo import roles
 from megatron_ppo.models.arch import ModelArch
+from megatron_ppo.plan import comm
 from megatron_ppo.plan.memory import (GIB, OFFLOAD, RECOMPUTE, Hardware, Layout, Memory, Workload, decode_seconds,
                                       forward_flops_per_token, memory, phase_seconds)
 
@@ -177,10 +178,51 @@ def recommend_pp(specs: dict[str, RoleSpec], gpus: int, hw: Hardware, gpus_per_n
     return None
 
 
-def step_time(specs: dict[str, RoleSpec], gpus: int, hw: Hardware) -> dict[str, float]:
+def phase_names(role: str, trainable: bool) -> tuple[str, ...]:
+    """The step_time phases of a role: its forward pass (and its update when trainable)."""
+    if not trainable:  # ref: its log-probs; reward: its scores
+        return (f"{role}_log_prob" if role == "ref" else f"{role}_score",)
+    return ("values" if role == "critic" else "old_log_prob", f"{role}_update")
+
+
+def comm_times(specs: dict[str, RoleSpec], hw: Hardware, gpus_per_node: int = 8) -> dict[str, dict[str, float]]:
+    """{phase: {"tp", "pp", "dp"}} seconds of communication per phase at max lengths (plan/comm.py): a forward
+    phase's TP collectives and p2p activations; an update's forward + backward (+ the recomputed forward's TP) and
+    its DP gradient step per optimizer step; generation's per-token TP all-reduces and p2p."""
+    actor = specs["actor"]
+    out = {}
+    for role, spec in specs.items():
+        lay, w = spec.layout, spec.work
+        e, seq = w.param_bytes, w.seq_len
+        tokens = spec.batch * seq / lay.dp  # one DP replica's tokens
+        micro_tokens = w.micro_batch * seq
+        forward, update = (phase_names(role, w.trainable) + (None,))[:2]
+        out[forward] = {"tp": comm.tp_seconds(spec.arch, lay, tokens, 1, w.micro_batches, e, hw, gpus_per_node),
+                        "pp": comm.pp_seconds(spec.arch, lay, tokens, micro_tokens, 1, w.micro_batches, e, hw,
+                                              gpus_per_node),
+                        "dp": 0.0}
+        if update is None:
+            continue
+        passes = 3 if lay.recompute == "full" else 2
+        steps = spec.epochs * max(1, -(-spec.batch // spec.mini_batch)) if spec.mini_batch else 0
+        params = memory(spec.arch, role, lay, w).params
+        out[update] = {
+            "tp": spec.epochs * comm.tp_seconds(spec.arch, lay, tokens, passes, w.micro_batches, e, hw, gpus_per_node),
+            "pp": spec.epochs * comm.pp_seconds(spec.arch, lay, tokens, micro_tokens, 2, w.micro_batches, e, hw,
+                                                gpus_per_node),
+            "dp": comm.dp_seconds(params, lay, steps, e, w.grad_bytes, hw, gpus_per_node)}
+    gen_tokens = actor.work.gen_batch * actor.work.seq_len
+    out["generate"] = comm.generate_seconds(actor.arch, actor.layout, gen_tokens, actor.work.param_bytes, hw,
+                                            gpus_per_node)
+    return out
+
+
+def step_time(specs: dict[str, RoleSpec], gpus: int, hw: Hardware, gpus_per_node: int = 8) -> dict[str, float]:
     """Seconds per PPO step by phase at max lengths: FLOPs at hw.mfu for forward/training phases (x4/3 for full
     recompute, x(1 + (PP-1)/m) pipeline bubble), and generation as the slower of FLOPs at hw.mfu and memory-bound
-    decoding (each decode step reads the rank's weights and KV cache)."""
+    decoding (each decode step reads the rank's weights and KV cache). These phase keys are compute only; each
+    phase's communication (comm_times, plan/comm.py) is its ``<phase>_comm`` key, ``comm`` their sum, and ``step``
+    adds both (communication is not overlapped with compute, except DP's ``hw.dp_overlap``)."""
     actor = specs["actor"]
     seq, batch = actor.work.seq_len, actor.batch
     out = {}
@@ -189,18 +231,21 @@ def step_time(specs: dict[str, RoleSpec], gpus: int, hw: Hardware) -> dict[str, 
         fwd = forward_flops_per_token(spec.arch, seq) * tokens
         lay = spec.layout
         bubble = 1 + (lay.pp - 1) / max(1, spec.work.micro_batches)
-        if not spec.work.trainable:  # ref: its log-probs; reward: its scores
-            out[f"{role}_log_prob" if role == "ref" else f"{role}_score"] = phase_seconds(fwd, gpus, hw) * bubble
-            continue
-        train = 3 * fwd + (fwd if lay.recompute == "full" else 0)
-        name = "values" if role == "critic" else "old_log_prob"
-        out[name] = phase_seconds(fwd, gpus, hw) * bubble
-        out[f"{role}_update"] = phase_seconds(train * spec.epochs, gpus, hw) * bubble
+        names = phase_names(role, spec.work.trainable)
+        out[names[0]] = phase_seconds(fwd, gpus, hw) * bubble
+        if len(names) > 1:
+            train = 3 * fwd + (fwd if lay.recompute == "full" else 0)
+            out[names[1]] = phase_seconds(train * spec.epochs, gpus, hw) * bubble
     mem = memory(actor.arch, "actor", actor.layout, actor.work)
     gen_flops = forward_flops_per_token(actor.arch, seq) * batch * seq
     out["generate"] = max(phase_seconds(gen_flops, gpus, hw),
                           decode_seconds(actor.response_len, mem.weights + mem.kv_cache, hw) * actor.layout.pp)
-    out["step"] = sum(out.values())
+    compute = sum(out.values())
+    comms = comm_times(specs, hw, gpus_per_node)
+    for phase in list(out):
+        out[f"{phase}_comm"] = sum(comms[phase].values())
+    out["comm"] = sum(sum(c.values()) for c in comms.values())
+    out["step"] = compute + out["comm"]
     out["tokens_per_s"] = batch * seq / out["step"]
     return out
 
@@ -213,4 +258,4 @@ def with_world(specs: dict[str, RoleSpec], gpus: int) -> dict[str, RoleSpec]:
 
 
 __all__ = ["RoleSpec", "Row", "role_specs", "enumerate_layouts", "colocated", "recommend_pp", "step_time",
-           "evaluate", "layout_problems", "role_arch", "with_world"]
+           "comm_times", "phase_names", "evaluate", "layout_problems", "role_arch", "with_world"]

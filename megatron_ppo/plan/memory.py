@@ -234,6 +234,21 @@ class Hardware:
     hbm_tbps: float = 3.35       # H100 SXM; H200: 4.8
     mfu: float = 0.40            # training/forward phases
     headroom_gib: float = 6.0    # CUDA context, NCCL buffers, allocator fragmentation
+    # Links, GB/s per GPU and direction (plan/comm.py). NVLink 4 of an H100/H200 SXM: 18 links, 900 GB/s both ways
+    # together (NVIDIA H100 datasheet), 450 one way. Between nodes: DGX/HGX H100 has one 400 Gb/s InfiniBand NIC
+    # (ConnectX-7) per GPU = 50 GB/s. Peak link rates: what NCCL reaches ("bus bandwidth") is lower, so the
+    # comm times are lower bounds.
+    intra_node_gbs: float = 450.0
+    inter_node_gbs: float = 50.0
+    dp_overlap: float = 0.0      # share of the DP gradient/parameter collectives hidden behind the backward pass
+    #                              (Megatron overlap_grad_reduce); 0: this driver's wrap_ddp does not overlap
+
+    def __post_init__(self):
+        if not 0.0 <= self.dp_overlap <= 1.0:
+            raise ValueError(f"Hardware: dp_overlap must be in [0, 1], got {self.dp_overlap}")
+        for name in ("intra_node_gbs", "inter_node_gbs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Hardware: {name} must be > 0, got {getattr(self, name)}")
 
 
 def phase_seconds(flops: float, gpus: int, hw: Hardware) -> float:
