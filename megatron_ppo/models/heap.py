@@ -1,17 +1,17 @@
 """Give a rank's freed heap memory back to the OS around a checkpoint save (models/checkpoint.save_checkpoint).
 
-Why: torch frees a call's peak (a micro-batch's logits, activations), but glibc keeps the freed pages in its arenas,
-so a rank's resident size stays at its largest peak, and the save's own copies of the model and optimizer state
-(~4.8 GB on SmolLM2-135M in float32, ~2x the state) came on top of it instead of reusing it: on 2 cores and 24 GB
-the actor rank went 7.4 -> 12.2 GB during its save while the critic held 6.8, and a run was killed by Ray's memory
-monitor at its step-20 save (docs/bench/learning_smollm2.md). Before the save, a garbage collection frees the
-tensors that only reference cycles keep (most of the ~4.4 GB above the live state was that), and ``malloc_trim(0)``
-returns the free pages of every arena (glibc >= 2.8 also releases pages inside the heap), so the save starts from the
-live state (~2.9 GB for the actor); after it, the save's copies go back too.
+Why: torch frees a call's peak (a micro-batch's logits, activations), but glibc keeps freed pages in its arenas, and
+tensors that only reference cycles hold wait for the garbage collector; a rank's resident size then stays near its
+largest peak, and a save's own copies of the model and optimizer state (~4.5 GB on SmolLM2-135M in float32) come on
+top of it. On 2 cores and 24 GB a run was killed by Ray's memory monitor at a save (docs/bench/learning_smollm2.md).
+A garbage collection and ``malloc_trim(0)`` (glibc >= 2.8 also releases pages inside the heap, every arena) before
+the save give back what is free then, and after it the save's copies (the actor rank: 12.7 -> 3.25 GB). Measured on
+SmolLM2, the release before the save freed nothing: what a rank holds between an update and the save is not free
+memory (an open question, on that page).
 
-Why only there and not after every call: giving pages back means faulting them in again, and faults are slow on
-these VMs (5 GB of 20 MB tensors: 0.35 s retained vs 6.5-23 s fresh, measured beside a training run); trimming after
-every call made each update phase ~14 s slower on SmolLM2. A save happens every ``save_freq`` steps.
+Why only around saves and not after every call: giving pages back means faulting them in again, and faults are slow
+on these VMs (5 GB of 20 MB tensors: 0.35 s retained vs 6.5-23 s fresh, measured beside a training run); a release
+after every worker call made each update phase ~14 s slower on SmolLM2.
 """
 from __future__ import annotations
 
