@@ -4,7 +4,9 @@
 # CONFIG (default configs/tiny_cpu.yaml) and MPPO_VENV may be set in the environment. tests/slurm/ submits it.
 # Logs and checkpoints go to MPPO_RUN_DIR (default outputs/slurm/mppo-tiny-<job id>). Preemption: USR1 60 s before
 # the time limit (or `scancel --signal=USR1 --batch <job id>`) -> the driver saves and exits 0 -> the job requeues
-# itself -> the next run of the job resumes from that step (tests/slurm/test_slurm_preemption.py).
+# itself -> the next run of the job resumes from that step (tests/slurm/test_slurm_preemption.py). A lost node
+# requeues it too; `sbatch --nodes=2-3` lets the next run continue on the nodes left, its DP resharded from the
+# last checkpoint (cluster.nnodes follows the allocation; tests/slurm/test_slurm_multinode.py).
 #SBATCH --job-name=mppo-tiny
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
@@ -21,4 +23,4 @@ source "${MPPO_SLURM_DIR:-slurm}/ray_on_slurm.sh"
 
 mppo_ray_up
 mppo_run_driver megatron-ppo train --config "${CONFIG:-configs/tiny_cpu.yaml}" trainer.resume_mode=auto \
-  cluster.device=cpu "${MPPO_RUN_ARGS[@]}" "$@"
+  cluster.device=cpu "cluster.nnodes=${SLURM_JOB_NUM_NODES:-1}" "${MPPO_RUN_ARGS[@]}" "$@"

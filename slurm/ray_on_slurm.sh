@@ -10,7 +10,9 @@
 #                               RAY_ADDRESS for `megatron-ppo train` (distributed/cluster.py connect_or_start).
 #   mppo_run_driver CMD...      runs the driver and watches every Ray step: if the driver ends, its exit code is
 #                               the job's; if a node's Ray process or srun step dies first, the job says which
-#                               node and exits non-zero at once (the driver is stopped). SIGUSR1 (preemption
+#                               node and exits non-zero at once (the driver is stopped), and teardown requeues
+#                               the job (MPPO_REQUEUE_ON_NODE_LOSS): its next run resumes on the nodes Slurm
+#                               gives it, fewer for a `--nodes=MIN-MAX` job (DP shrinks). SIGUSR1 (preemption
 #                               warning, `#SBATCH --signal=B:USR1@...`: B: so that only this shell gets it, never
 #                               the Ray ranks, which die on signals) is forwarded to the driver, which finishes
 #                               its step, checkpoints and exits 0; teardown then requeues the job
@@ -25,7 +27,9 @@
 # $MPPO_RUN_ROOT/<job name>-<job id>, MPPO_RUN_ROOT default outputs/slurm; set MPPO_RUN_DIR to continue an
 # earlier job's run in a new job), MPPO_RAY_PORT (default: 6379 + job id mod 1000), MPPO_RAY_JOIN_TIMEOUT
 # (default 300 s), MPPO_CKPT_GRACE (default 240 s: how long the driver may take to checkpoint after USR1),
-# MPPO_GPUS_PER_NODE, MPPO_CPUS_PER_NODE (defaults from Slurm).
+# MPPO_NODE_LOSS_GRACE (default 20 s: how long the driver may take to name a lost node), MPPO_REQUEUE_ON_NODE_LOSS
+# (default 1: a lost node requeues the job, as a preemption does; 0: the job just fails), MPPO_GPUS_PER_NODE,
+# MPPO_CPUS_PER_NODE (defaults from Slurm).
 
 set -euo pipefail
 
@@ -34,7 +38,8 @@ MPPO_RAY_STEPS=()                 # pids of the srun steps that hold `ray start 
 declare -A MPPO_STEP_NODE=()      # pid -> node
 MPPO_DRIVER_PID=""
 MPPO_PREEMPTED=0                  # USR1 arrived
-MPPO_REQUEUE=0                    # teardown requeues the job (after a preemption)
+MPPO_REQUEUE=0                    # teardown requeues the job (after a preemption or a lost node)
+MPPO_EXIT_NODE_LOST=75            # megatron-ppo train's exit code when a node was lost (distributed/group.py)
 
 mppo_log() { echo "${MPPO_LOG_PREFIX} $*" >&2; }
 mppo_die() { mppo_log "ERROR: $*"; exit 1; }
@@ -181,6 +186,7 @@ mppo_run_driver() {
       MPPO_DRIVER_PID=""
       if (( MPPO_PREEMPTED )); then MPPO_REQUEUE=1; fi
       mppo_log "driver exited with ${rc}"
+      if (( rc == MPPO_EXIT_NODE_LOST )); then mppo_requeue_after_node_loss "the driver named a lost node"; fi
       return "${rc}"
     fi
     mppo_node_lost "${MPPO_STEP_NODE[${done_pid}]}" "${done_pid}" "${rc}"
@@ -203,7 +209,19 @@ mppo_node_lost() {
     MPPO_DRIVER_PID=""
     mppo_log "driver exited with ${rc} after node ${node} was lost"
   fi
+  mppo_requeue_after_node_loss "node ${node}'s Ray process exited"
   mppo_die "node ${node} lost (its Ray process exited); stopping the job"
+}
+
+# A lost node is not the run's fault: teardown requeues the job (it needs --requeue; MPPO_REQUEUE_ON_NODE_LOSS=0
+# turns this off). Slurm starts it again once the lost node is DOWN, on the nodes it gives it (the drivers take
+# cluster.nnodes from the allocation), and trainer.resume_mode=auto resumes from the last checkpoint, resharding
+# to the new DP size.
+mppo_requeue_after_node_loss() {
+  if [[ "${MPPO_REQUEUE_ON_NODE_LOSS:-1}" == 1 ]]; then
+    mppo_log "$1: the job is requeued after teardown (MPPO_REQUEUE_ON_NODE_LOSS=0: it just fails)"
+    MPPO_REQUEUE=1
+  fi
 }
 
 # After USR1: give the driver MPPO_CKPT_GRACE s to save and exit (teardown stops it after that); either way the

@@ -30,6 +30,14 @@ class WorkerGroupError(RuntimeError):
     """A rank failed or died; the group is gone (a gloo group is unusable after any error)."""
 
 
+class NodeLostError(WorkerGroupError):
+    """The failure's root cause is a node that no longer answers (ray_group.RayWorkerGroup.lost_nodes): not the
+    run's fault, so `megatron-ppo train` exits EXIT_NODE_LOST and a Slurm job requeues itself (ray_on_slurm.sh)."""
+
+
+EXIT_NODE_LOST = 75  # EX_TEMPFAIL (sysexits.h): try again, on other nodes
+
+
 def resolve_worker_class(worker_cls):
     """A class, or its import path as "package.module:Class" (or "package.module.Class")."""
     if isinstance(worker_cls, type):

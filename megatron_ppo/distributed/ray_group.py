@@ -26,7 +26,7 @@ import socket
 import time
 from typing import Any, Sequence
 
-from megatron_ppo.distributed.group import WorkerGroup, WorkerGroupError, resolve_worker_class
+from megatron_ppo.distributed.group import NodeLostError, WorkerGroup, WorkerGroupError, resolve_worker_class
 from megatron_ppo.distributed.layout import RankCoords, RankLayout
 from megatron_ppo.distributed.placement import RolePlacement, rank_span
 
@@ -270,12 +270,13 @@ class RayWorkerGroup(WorkerGroup):
             summaries.append(f"{self.role}: {what!r} did not finish within {timed_out:.0f} s (call timeout)")
         if silent:
             summaries.append(f"{self.role} ranks {silent} had not answered")
-        summaries = self.lost_nodes() + summaries  # a lost node is the root cause of its peers' errors
+        lost = self.lost_nodes()
+        summaries = lost + summaries  # a lost node is the root cause of its peers' errors
         self.shutdown(graceful=False)
         message = "\n".join([summaries[0]] + [f"also: {s}" for s in summaries[1:]] + details + [
             f"all {self.layout.world_size} {self.role} ranks ({self.layout}) were killed (a torch.distributed "
             "group is unusable after an error)"])
-        raise WorkerGroupError(message) from (errors[0][1] if errors else None)
+        raise (NodeLostError if lost else WorkerGroupError)(message) from (errors[0][1] if errors else None)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Kill every rank and wait until their processes (and children, on this node) are gone. ``graceful``: a

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     console.set_run_log(f"{cfg.trainer.expand(cfg.trainer.log_dir)}/train.log")
 
     from megatron_ppo.distributed import WorkerGroupError
+    from megatron_ppo.distributed.group import EXIT_NODE_LOST, NodeLostError
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import NonFiniteTrainingError, PPOTrainer
     from megatron_ppo.trainer.preemption import Preemption
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"megatron-ppo train: stopped: {exc}") from None
     except WorkerGroupError as exc:
         print(f"megatron-ppo train: a worker failed:\n{exc}", file=sys.stderr, flush=True)
-        raise SystemExit(f"megatron-ppo train: stopped: {str(exc).splitlines()[0]}") from None
+        print(f"megatron-ppo train: stopped: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_NODE_LOST if isinstance(exc, NodeLostError) else 1) from None
     finally:
         if parts is not None:
             parts.close()

@@ -241,6 +241,7 @@ def test_colocated_roles_share_bundles_and_kill9_fails_fast(ray_cluster):
         node = ray.util.get_node_ip_address()
         assert message.startswith(f"actor rank 1 (tp1 pp0 dp0) on node {node} pid {pids[1]} died during 'spin'")
         assert "actor rank 0 (tp0 pp0 dp0)" in message  # its peer's gloo error is listed too
+        assert type(err.value) is WorkerGroupError  # its node answers: not NodeLostError (no requeue, exit 1)
         for pid in pids:  # group.shutdown waited for the processes: none may be left
             assert not _alive(pid), f"rank process {pid} survived"
         table = ray._private.state.actors()  # the GCS actor table (the state API would need the dashboard)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import FINAL_STATES, processes_naming, ray_processes
+from cluster import processes_naming, ray_processes
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -35,25 +35,6 @@ def _wait_for_step(cluster, job_id: str, metrics: Path, out: Path, timeout: floa
         time.sleep(0.5)
 
 
-def _release_requeued(cluster, job_id: str, out: Path, timeout: float) -> dict:
-    """Wait until the job is PENDING again after its requeue, then make it eligible now: Slurm holds a requeued
-    job back (BeginTime, 120 s measured with Slurm 22.05), which only slows the test. Returns the pending job's
-    JobState, Reason, Restarts and StartTime as Slurm set them."""
-    deadline = time.monotonic() + timeout
-    while True:
-        fields = cluster.job_fields(job_id)
-        if fields.get("JobState") == "PENDING" and fields.get("Restarts") == "1":
-            break
-        text = out.read_text(errors="replace") if out.exists() else ""
-        assert fields.get("JobState") not in FINAL_STATES, f"{fields.get('JobState')}, not requeued:\n{text[-4000:]}"
-        assert time.monotonic() < deadline, f"not requeued {timeout:.0f} s after USR1:\n{text[-4000:]}"
-        time.sleep(0.5)
-    # Not "now": a job reallocated within the second of its requeue is killed by slurmd ("Job credential revoked":
-    # the revocation is kept at one-second resolution; seen in CI), which Slurm's long hold normally avoids.
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+3")
-    return {k: fields.get(k) for k in ("JobState", "Reason", "Restarts", "StartTime")}
-
-
 def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     root, out = tmp_path / "runs", tmp_path / "job.out"
     start = time.monotonic()
@@ -67,7 +48,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     signalled = time.monotonic()
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
 
-    requeued = _release_requeued(slurm_cluster, job_id, out, timeout=240)
+    requeued = slurm_cluster.release_requeued(job_id, out, timeout=240)
     seen: list = []
     state = slurm_cluster.wait_done(job_id, timeout=400, seen=seen)
     text = out.read_text(errors="replace")
