@@ -1,7 +1,9 @@
 """PPO through `megatron-ppo train` with rollout.name=vllm (real vLLM, its own venv): the default tiny run's TP2 actor
 on Ray syncs into one vLLM engine every step and stays on-policy (rollout vs recomputed log-probs within 1e-4 every
-step while the actor learns at lr 1e-2); the engine killed mid-run ends the run within 60 s with a line naming the
-engine and replica, and no process of the run is left. Tests of the engine alone: test_rollout_vllm.py."""
+step while the actor learns at lr 1e-2), and so does a DP2 actor with an engine per replica; the engine killed
+mid-run ends the run within 60 s with a line naming the engine and replica, and no process of the run is left (the
+TP2 on-policy check and the kill share one run: a vLLM run costs ~1.5 min of CI). Tests of the engine alone:
+test_rollout_vllm.py."""
 from __future__ import annotations
 
 import json
@@ -43,41 +45,64 @@ def _engines() -> list[psutil.Process]:
     return out
 
 
-@pytest.mark.parametrize("layout, extra, engines", [
-    ("actor TP2 -> one engine", (), 1),
-    ("actor DP2 -> an engine per replica", ("cluster.actor.tensor_model_parallel_size=1",
-                                             "cluster.ref.tensor_model_parallel_size=1",
-                                             "actor.ppo_micro_batch_size_per_gpu=4"), 2),
-])
-def test_ppo_with_vllm_stays_on_policy(tmp_path, layout, extra, engines):
-    run = subprocess.run(_command(tmp_path, 4, extra), cwd=REPO, capture_output=True, text=True, timeout=900)
-    if run.returncode != 0:
-        # Known intermittent failure (once in a local CI run of the TP2 case, cause not found, issue 25's note): the
-        # first attempt's error is printed and a second attempt in a fresh directory must pass.
-        print(f"first attempt failed (rc {run.returncode}):\n{run.stderr[-3000:]}")
-        tmp_path = tmp_path / "second"
-        run = subprocess.run(_command(tmp_path, 4, extra), cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    steps = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").open()]
-    steps = [s for s in steps if "timing/step" in s]
-    assert len(steps) == 4
+def _check_on_policy(steps: list[dict]) -> None:
+    """The engine's log-probs are the actor's (within 1e-4) every step, its weights were synced every step, and the
+    actor moved (lr 1e-2), so a sync that silently kept the old weights would show."""
     for s in steps:
-        assert s["rollout/logprob_abs_diff_max"] <= 1e-4, s["rollout/logprob_abs_diff_max"]
+        assert s["rollout/logprob_abs_diff_max"] <= 1e-4, (s["step"], s["rollout/logprob_abs_diff_max"])
         assert s["timing/sync_weights"] > 0
     assert max(abs(s["actor/pg_clipfrac"]) + abs(s["actor/ppo_kl"]) for s in steps) > 0  # the actor did move
+
+
+def _steps(logs: Path) -> list[dict]:
+    return [s for s in map(json.loads, (logs / "metrics.jsonl").open()) if "timing/step" in s]
+
+
+def test_ppo_with_vllm_stays_on_policy_an_engine_per_dp_replica(tmp_path):
+    """Actor DP2 -> an engine per replica, a whole run: on-policy every step, each engine's log, and nothing left
+    (the weight directory, the engines). The TP2 -> one engine layout runs in the killed-engine test below."""
+    extra = ("cluster.actor.tensor_model_parallel_size=1", "cluster.ref.tensor_model_parallel_size=1",
+             "actor.ppo_micro_batch_size_per_gpu=4")
+    run = subprocess.run(_command(tmp_path, 4, extra), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = _steps(tmp_path / "logs")
+    assert len(steps) == 4
+    _check_on_policy(steps)
     logs = sorted(p.name for p in (tmp_path / "logs").glob("vllm-engine-dp*.log"))
-    assert logs == [f"vllm-engine-dp{d}.log" for d in range(engines)], logs
+    assert logs == ["vllm-engine-dp0.log", "vllm-engine-dp1.log"], logs
     assert all((tmp_path / "logs" / name).stat().st_size > 0 for name in logs)
     assert not any((tmp_path / "shm").iterdir())  # the engine's weight directory went with it
     assert not _engines()
 
 
-def test_a_killed_engine_ends_the_run_within_60_s_naming_it(tmp_path):
-    proc = subprocess.Popen(_command(tmp_path, 200), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+def _start_until_step(tmp: Path, step: int) -> tuple[subprocess.Popen, Path]:
+    """The TP2 run (200 steps) started and read until step ``step`` is printed. Known intermittent failure (once in
+    a local CI run of this layout, cause not found, issue 25's note): a run that ends before is printed and a second
+    attempt in a fresh directory must get there."""
+    for attempt in (tmp, tmp / "second"):
+        proc = subprocess.Popen(_command(attempt, 200), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            wait_for_line(proc, f"step {step}/")
+            return proc, attempt / "logs"
+        except AssertionError as e:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            if attempt != tmp:
+                raise
+            print(f"first attempt failed: {e}")
+    raise AssertionError("unreachable")
+
+
+def test_tp2_on_policy_then_a_killed_engine_ends_the_run_within_60_s_naming_it(tmp_path):
+    """Actor TP2 -> one engine: on-policy for the first 4 steps; then the engine is killed and the run ends within
+    60 s with a line naming the engine and its replica, and no process of the run is left."""
+    proc, logs = _start_until_step(tmp_path, 5)
     tree = []
     try:
-        wait_for_line(proc, "step 2/")  # training runs: the engine serves rollouts
+        steps = _steps(logs)[:4]
+        assert [s["step"] for s in steps] == [1, 2, 3, 4], steps
+        _check_on_policy(steps)
         tree = process_tree(proc.pid)
         engines = [p for p in _engines() if p.pid in {q.pid for q in tree}]
         assert len(engines) == 1, engines
@@ -90,6 +115,9 @@ def test_a_killed_engine_ends_the_run_within_60_s_naming_it(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode not in (0, None)
     assert took < 60, took
-    assert "vLLM engine of actor replica dp0" in stderr and "died" in stderr, stderr[-3000:]
+    # killed inside a call: "died during 'generate'"; between calls: the next one finds it "is not running (exit
+    # code -9, signal SIGKILL)"
+    assert "vLLM engine of actor replica dp0" in stderr and ("died" in stderr or "is not running" in stderr), \
+        stderr[-3000:]
     time.sleep(2)
     assert still_alive(tree) == [], still_alive(tree)
