@@ -30,9 +30,10 @@ def test_shellcheck_clean(shellcheck):
 
 
 def test_dead_ray_process_fails_the_job_naming_the_node(slurm_cluster, tmp_path):
-    """Kill the node's raylet while the driver runs: the job exits non-zero within a minute, naming the node."""
+    """Kill the node's raylet while the driver runs: the job exits non-zero within a minute, naming the node. With
+    MPPO_REQUEUE_ON_NODE_LOSS=0 it just fails (by default a lost node requeues the job: test_slurm_multinode.py)."""
     marker, out = tmp_path / "ready", tmp_path / "job.out"
-    env_args = [f"--export=ALL,MARKER={marker},HOLD_S=600"]
+    env_args = [f"--export=ALL,MARKER={marker},HOLD_S=600,MPPO_REQUEUE_ON_NODE_LOSS=0"]
     r = slurm_cluster.run("sbatch", "--parsable", f"--output={out}", *env_args, "tests/slurm/jobs/ray_tasks.sh",
                           cwd=REPO)
     job_id = r.stdout.strip().split(";")[0]
@@ -55,6 +56,7 @@ def test_dead_ray_process_fails_the_job_naming_the_node(slurm_cluster, tmp_path)
     assert state == "FAILED", state
     assert elapsed < 60, f"the job took {elapsed:.0f} s to fail"
     assert "driver done" not in text
+    assert "requeue" not in text, text[-2000:]
     time.sleep(1)
     assert not _ray_processes(job_id), [p.cmdline()[:2] for p in _ray_processes(job_id)]
     print(f"raylet killed -> job {job_id} FAILED in {elapsed:.1f} s")
