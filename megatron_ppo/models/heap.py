@@ -18,7 +18,6 @@ import ctypes
 import ctypes.util
 import functools
 import gc
-import os
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,15 +28,6 @@ def _libc():
     except OSError:
         return None
     return lib if lib is not None and hasattr(lib, "malloc_trim") else None  # not glibc (musl, macOS): nothing to do
-
-
-def rss_bytes() -> int:
-    """This process's resident set size (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def release_free_heap() -> bool:

@@ -10,7 +10,9 @@ from megatron_ppo.models import heap
 
 SCRIPT = """
 import torch
-from megatron_ppo.models.heap import release_free_heap, rss_bytes
+import psutil
+from megatron_ppo.models.heap import release_free_heap
+rss_bytes = lambda: psutil.Process().memory_info().rss
 torch.set_num_threads(1)
 x = torch.ones(5_000_000); del x  # a freed mmap chunk raises glibc's mmap threshold above 20 MB: heap from here on
 xs, pins = [], []
@@ -30,19 +32,14 @@ def test_freed_heap_is_retained_until_released():
     held, after, ok = int(out[0]), int(out[1]), out[2]
     assert ok == "True"
     assert held - after > 400e6, f"RSS {held / 1e6:.0f} MB -> {after / 1e6:.0f} MB: the 500 MB freed was not released"
-
-
-def test_rss_is_this_process():
-    assert 10e6 < heap.rss_bytes() < 64e9
-
-
 SAVE_SCRIPT = """
 import sys, torch
 from megatron_ppo import parallel
 from megatron_ppo.models.arch import tiny_arch
 from megatron_ppo.models.checkpoint import save_checkpoint
 from megatron_ppo.models.gpt import build_gpt_model
-from megatron_ppo.models.heap import rss_bytes
+import psutil
+rss_bytes = lambda: psutil.Process().memory_info().rss
 torch.set_num_threads(1)
 parallel.initialize(tp=1, pp=1, seed=1)
 model = build_gpt_model(tiny_arch(), role="actor")
