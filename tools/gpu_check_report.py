@@ -162,7 +162,8 @@ def summary_markdown(r: dict) -> str:
         lines += [f"Machine: {env.get('gpu', 'no GPU')} (capability {env.get('capability', '-')}, {env.get('sms', '-')} "
                   f"SMs, {env.get('gpu_memory_gib', '-')} GiB), Python {env.get('python')}, torch {env.get('torch')} "
                   f"(CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn', '-')}, NCCL {env.get('nccl', '-')}), "
-                  f"megatron-core {env.get('megatron_core')}, Transformer Engine: {env.get('transformer_engine')}, "
+                  f"megatron-core in the image: {env.get('megatron_core')} (stage deps installs the carried wheel), "
+                  f"Transformer Engine: {env.get('transformer_engine')}, "
                   f"triton {env.get('triton')}, transformers {env.get('transformers')}.", ""]
     lines += stage_table(r["stages"]) + [""]
     lines += [f"- parity (CUDA_LAUNCH_BLOCKING=1): {fmt_tests(r.get('parity'))}; GAE with the serial algorithm: "
@@ -261,7 +262,19 @@ def record(args) -> int:
     if logs.is_file():
         with tarfile.open(logs) as tar:
             names = [m.name for m in tar.getmembers() if m.isfile()]
-        lines += [f"Logs of that run: logs.tar.gz ({len(names)} files), not committed."]
+        lines += [f"Logs of that run: logs.tar.gz ({len(names)} files), not committed.", ""]
+    if args.notes:
+        lines += [Path(args.notes).read_text().strip(), ""]
+    for rerun in args.rerun or ():  # a later call of the same lease or session, after fixes (GPU_CHECK_ONLY=...)
+        rr = read_json(Path(rerun) / "results.json")
+        if rr is None or rr.get("dry_run"):
+            sys.exit(f"gpu_check_report record: {rerun}/results.json missing, unreadable or a dry run's")
+        if not rr.get("ppo_step") and (Path(rerun) / "ppo_step.json").is_file():
+            rr["ppo_step"] = read_json(Path(rerun) / "ppo_step.json")
+        rc = rr["counts"]
+        lines += [f"## Rerun, finished {rr['finished_utc']}", "",
+                  f"`gpu_check: {rc['ok']} ok, {rc['failed']} failed, {rc['skipped']} skipped in {rr['elapsed_s']} s`",
+                  "", summary_markdown(rr).split("\n", 3)[3].strip(), ""]
     Path(args.out).write_text("\n".join(lines).rstrip() + "\n")
     print(f"wrote {args.out}; now: python tools/collect_benchmarks.py")
     return 0
@@ -293,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("dir")
     r.add_argument("--out", default=str(PAGE))
     r.add_argument("--kernels-page", default=str(KERNELS_PAGE), help="'' leaves the kernels page alone")
+    r.add_argument("--rerun", action="append", help="a later run's folder (after fixes): appended as a section")
+    r.add_argument("--notes", help="a markdown file of findings, put between the first run and the reruns")
     ph = sub.add_parser("placeholder")
     ph.add_argument("--out", default=str(PAGE))
     e = sub.add_parser("engines")

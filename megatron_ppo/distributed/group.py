@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from megatron_ppo.distributed.dispatch import restore_rows, select_rows, split_rows
 from megatron_ppo.distributed.layout import RankLayout
+from megatron_ppo.parallel.transfer import to_host
 
 __all__ = ["WorkerGroup", "WorkerGroupError", "LocalWorkerGroup", "resolve_worker_class"]
 
@@ -128,7 +129,7 @@ class LocalWorkerGroup(WorkerGroup):
         if self.worker is None:
             raise WorkerGroupError(f"{self.role}: the local group is shut down")
         try:
-            return getattr(self.worker, method)(*args, **kwargs)
+            return to_host(getattr(self.worker, method)(*args, **kwargs))  # the driver's tensors live on the CPU
         except Exception as e:
             raise WorkerGroupError(f"{self.role} rank 0 (tp0 pp0 dp0) on this process failed in {method!r}: "
                                    f"{type(e).__name__}: {e}") from e

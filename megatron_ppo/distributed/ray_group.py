@@ -29,6 +29,7 @@ from typing import Any, Sequence
 from megatron_ppo.distributed.group import NodeLostError, WorkerGroup, WorkerGroupError, resolve_worker_class
 from megatron_ppo.distributed.layout import RankCoords, RankLayout
 from megatron_ppo.distributed.placement import RolePlacement, rank_span
+from megatron_ppo.parallel.transfer import to_host
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class RankActor:
         the driver's wall time of the call minus this is the dispatch cost (serialisation, RPC, gather)."""
         start = time.perf_counter()
         result = getattr(self.worker, _mppo_method)(*args, **kwargs)
-        return (result if _mppo_return else None), time.perf_counter() - start
+        return (to_host(result) if _mppo_return else None), time.perf_counter() - start  # never a GPU tensor
 
 
 class RayWorkerGroup(WorkerGroup):

@@ -14,6 +14,7 @@ import torch
 from megatron_ppo import parallel
 from megatron_ppo.algo.kl_control import TargetKLGuard
 from megatron_ppo.data.batch import RolloutBatch
+from megatron_ppo.parallel.transfer import to_host
 from megatron_ppo.rollout import SamplingParams, build_engine, replica_seed
 from megatron_ppo.workers.losses import actor_loss_fn, logprob_output_fn
 from megatron_ppo.workers.role import RoleWorker
@@ -42,7 +43,7 @@ class ActorWorker(RoleWorker):
         pad = params.max_response_length - out.responses.shape[1]
         responses = torch.nn.functional.pad(out.responses, (0, pad), value=params.pad_token_id)
         log_probs = torch.nn.functional.pad(out.log_probs, (0, pad), value=0.0)
-        return {"responses": responses, "response_lengths": out.response_lengths, "log_probs": log_probs}
+        return to_host({"responses": responses, "response_lengths": out.response_lengths, "log_probs": log_probs})
 
     def sync_weights(self) -> None:
         """After an update: the engine takes the new weights (a no-op for the in-actor engine)."""

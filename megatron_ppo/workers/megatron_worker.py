@@ -15,6 +15,7 @@ from megatron_ppo.models.gpt import build_gpt_model
 from megatron_ppo.models.schedule import forward_backward
 from megatron_ppo.models.training import OptimizerSettings, build_optimizer, wrap_ddp
 from megatron_ppo.ops.cpu_matmul import onednn_matmul
+from megatron_ppo.parallel.transfer import to_device, to_host
 
 
 # cpu_gemm="auto": oneDNN from this hidden size up: below it (the tests' tiny hidden-64 model) the routing costs more
@@ -38,7 +39,8 @@ class MegatronWorker:
         self.model = build_gpt_model(arch, role=role, params_dtype=params_dtype, recompute=recompute,
                                      sequence_parallel=sequence_parallel)
         # the dispatch mode costs a Python call per aten op: only where its GEMMs can gain (CPU, not a toy model)
-        self.onednn = next(self.model.parameters()).device.type == "cpu" and (
+        self.device = next(self.model.parameters()).device  # micro-batches come from the driver on the CPU
+        self.onednn = self.device.type == "cpu" and (
             cpu_gemm == "onednn" or (cpu_gemm == "auto" and arch.hidden_size >= ONEDNN_MIN_HIDDEN))
         self.ddp = self.optimizer = self.scheduler = None
         if optim is not None:
@@ -56,9 +58,11 @@ class MegatronWorker:
     def forward(self, micro_batches: list[dict], output_fn) -> list[dict]:
         """output_fn(model_output, micro_batch) -> dict of tensors, per micro-batch (no gradients)."""
         self.module.eval()
+        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
         with onednn_matmul(self.onednn):
-            return forward_backward(self.module, micro_batches,
-                                    lambda out, mb: (out.new_zeros(()), output_fn(out, mb)), forward_only=True)
+            outputs = forward_backward(self.module, micro_batches,
+                                       lambda out, mb: (out.new_zeros(()), output_fn(out, mb)), forward_only=True)
+        return to_host(outputs)
 
     def train_step(self, micro_batches: list[dict], loss_fn, skip_step=None) -> dict:
         """One optimizer step over the micro-batches.
@@ -75,6 +79,7 @@ class MegatronWorker:
         if self.optimizer is None:
             raise RuntimeError(f"{self.role} worker has no optimizer (built frozen)")
         self.module.train()
+        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = []

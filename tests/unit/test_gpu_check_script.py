@@ -285,3 +285,27 @@ def test_engines_compares_the_two_engines_generation(tmp_path):
 
     text = "\n".join(gpu_check_report.engine_lines(e))
     assert "| vllm | " in text and "**4.00x**" in text
+
+
+def test_record_appends_the_notes_and_a_rerun_after_fixes(tmp_path):
+    """A lease's second call (GPU_CHECK_ONLY=..., after fixing what the first found) is recorded on the same page,
+    after the first run and the findings, with its own counts; a dry run's results are refused as a rerun."""
+    first = fake_device_results(tmp_path / "first")
+    rerun = fake_device_results(tmp_path / "rerun")
+    r2 = json.loads((rerun / "results.json").read_text())
+    r2["counts"], r2["finished_utc"] = {"ok": 5, "failed": 0, "skipped": 5}, "2026-12-04T16:06:52+00:00"
+    (rerun / "results.json").write_text(json.dumps(r2))
+    notes = tmp_path / "notes.md"
+    notes.write_text("## What the first run found\n\nA planted finding.\n")
+    page = tmp_path / "gpu.md"
+    cmd = [sys.executable, str(ROOT / "tools" / "gpu_check_report.py"), "record", str(first), "--out", str(page),
+           "--kernels-page", "", "--notes", str(notes), "--rerun", str(rerun)]
+    subprocess.run(cmd, capture_output=True, text=True, check=True)
+    text = page.read_text()
+    first_at, notes_at = text.index("`gpu_check: 6 ok, 2 failed"), text.index("A planted finding.")
+    rerun_at = text.index("## Rerun, finished 2026-12-04T16:06:52+00:00")
+    assert first_at < notes_at < rerun_at and "`gpu_check: 5 ok, 0 failed, 5 skipped" in text[rerun_at:]
+    r2["dry_run"] = True
+    (rerun / "results.json").write_text(json.dumps(r2))
+    bad = subprocess.run(cmd, capture_output=True, text=True)
+    assert bad.returncode != 0 and "dry run" in bad.stderr

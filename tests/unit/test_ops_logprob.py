@@ -112,13 +112,13 @@ def test_backward_matches_autograd(backend, dtype, weights):
     logits, target = random_logits((2, 5), 4099, dtype, seed=4)
     gen = torch.Generator().manual_seed(0)
     w_lp, w_ent = torch.randn(2, 5, generator=gen), torch.randn(2, 5, generator=gen)
-    ref = logits.double().requires_grad_()
+    ref = logits.detach().to(torch.float64, copy=True).requires_grad_()  # its own leaf, also for float64
     r_lp, r_ent = oracle_autograd(ref, target)
     loss = ((r_lp * w_lp.double()).sum() if weights != "entropy_only" else 0) + (
         (r_ent * w_ent.double()).sum() if weights != "logp_only" else 0)
     loss.backward()
     with use_backend(backend) as device:
-        x = logits.to(device).requires_grad_()
+        x = logits.detach().to(device, copy=True).requires_grad_()
         lp, ent = ops.token_logprobs_entropy(x, target.to(device))
         loss = ((lp * w_lp.to(device)).sum() if weights != "entropy_only" else 0) + (
             (ent * w_ent.to(device)).sum() if weights != "logp_only" else 0)
@@ -139,7 +139,7 @@ def oracle_autograd(x, target):
 def test_gradcheck_float64(backend, vocab):
     logits, target = random_logits((2, 3), vocab, torch.float64, seed=vocab, scale=1.5)
     with use_backend(backend) as device:
-        x = logits.to(device).requires_grad_()
+        x = logits.detach().to(device, copy=True).requires_grad_()
         t = target.to(device)
         assert torch.autograd.gradcheck(lambda z: ops.token_logprobs_entropy(z, t), (x,), eps=1e-6, atol=1e-8)
         assert torch.autograd.gradcheck(lambda z: ops.token_logprobs_entropy(z, t)[1], (x,), eps=1e-6, atol=1e-8)
@@ -269,11 +269,11 @@ def test_temperature_is_folded_in(backend, dtype, temperature):
     gen = torch.Generator().manual_seed(1)
     w_lp, w_ent = torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(3, 4, generator=gen,
                                                                                        dtype=torch.float64)
-    ref = logits.double().requires_grad_()
+    ref = logits.detach().to(torch.float64, copy=True).requires_grad_()  # its own leaf, also for float64
     r_lp, r_ent = oracle_autograd(ref / temperature, target)
     ((r_lp * w_lp).sum() + (r_ent * w_ent).sum()).backward()
     with use_backend(backend) as device:
-        x = logits.to(device).requires_grad_()
+        x = logits.detach().to(device, copy=True).requires_grad_()
         lp, ent = ops.token_logprobs_entropy(x, target.to(device), temperature=temperature)
         ((lp.double() * w_lp.to(device)).sum() + (ent.double() * w_ent.to(device)).sum()).backward()
     tol = 1e-10 if dtype == torch.float64 else 3e-5
