@@ -386,6 +386,21 @@ def _rollout_correction(rc, errs: _Errors) -> None:
         errs.append(f"{key}.rollout_rs_threshold: {exc}")
 
 
+def _async_rollout(cfg: PPOConfig, errs: _Errors) -> None:
+    """trainer.async_rollout=one_step overlaps step k+1's generation with step k's training: only where the two can
+    run at once (docs/trainer.md, "One step off-policy")."""
+    t = cfg.trainer
+    errs.check(t.max_staleness in (0, 1), "trainer.max_staleness", f"must be 0 or 1 (at most one rollout is in "
+               f"flight: one_step), got {t.max_staleness}")
+    if t.async_rollout == "off":
+        return
+    errs.check(cfg.rollout.mode == "online", "trainer.async_rollout", "one_step overlaps generation with training; "
+               "rollout.mode=offline generates nothing (set trainer.async_rollout=off)")
+    errs.check(cfg.rollout.name == "vllm", "trainer.async_rollout", f"one_step needs rollout.name=vllm, got "
+               f"{cfg.rollout.name!r}: the Megatron engine generates inside the actor's own ranks, which step k's "
+               "evaluate and updates occupy, so nothing could overlap (vLLM generates in a process of its own)")
+
+
 def _trainer(cfg: PPOConfig, errs: _Errors) -> None:
     t = cfg.trainer
     errs.positive("trainer.total_epochs", t.total_epochs)
@@ -401,6 +416,7 @@ def _trainer(cfg: PPOConfig, errs: _Errors) -> None:
             log.warning("trainer.val_before_train=true does nothing: data.val_files is empty (no validation runs); "
                         "set data.val_files or trainer.val_before_train=false")
     errs.non_negative("trainer.log_val_generations", t.log_val_generations)
+    _async_rollout(cfg, errs)
     duplicates = sorted({x for x in t.logger if t.logger.count(x) > 1})
     errs.check(not duplicates, "trainer.logger", f"lists {duplicates} more than once")
     for key in ("log_dir", "default_local_dir"):

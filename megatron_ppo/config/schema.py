@@ -375,6 +375,13 @@ class TrainerConfig:
         "every file present at its saved size (a stat a file); full: sha256 digests too, which saves then record "
         "(reads every byte: docs/bench/checkpoint.md); disable: no check. A damaged step is named: resume_mode=auto "
         "falls back to the newest that verifies, resume_path refuses", None)
+    async_rollout: Literal["off", "one_step"] = field(
+        "off", "off: each step generates, then trains; one_step: step k+1's rollout is generated (by the vLLM "
+        "engine's own process) with the weights step k started from while step k's evaluate and updates run, one "
+        "update stale, and the rollout correction (algorithm.rollout_correction) uses its behaviour log-probs "
+        "(verl: the one-step off-policy recipe)", None)
+    max_staleness: int = field(1, "with async_rollout=one_step: actor updates a rollout may lag the policy it trains "
+                               "(1: one step off; 0: each rollout generated after the last sync, as off)", None)
     max_actor_ckpt_to_keep: Optional[int] = field(None, "keep only the newest N actor checkpoints; null: all")
     max_critic_ckpt_to_keep: Optional[int] = field(None, "keep only the newest N critic checkpoints; null: all")
 

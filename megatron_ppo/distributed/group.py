@@ -88,6 +88,19 @@ class WorkerGroup(ABC):
         order."""
         return restore_rows(*self.call_split(method, batch, lengths, *args, balance=balance, **kwargs))
 
+    def submit_rows(self, method: str, batch: Any, lengths: Sequence[int], *args, balance: bool = True,
+                    **kwargs) -> list[list[int]]:
+        """``call_split`` of a method that starts work and answers nothing yet (the actor's ``generate_submit``);
+        returns each replica's rows, for ``collect_rows``."""
+        _, shards = self.call_split(method, batch, lengths, *args, balance=balance, **kwargs)
+        return shards
+
+    def collect_rows(self, method: str, shards: Sequence[Sequence[int]], *args, **kwargs) -> Any:
+        """``method(*args, **kwargs)`` on every rank; the replicas' answers (their representatives') put back in the
+        original row order of the ``submit_rows`` call that returned ``shards``."""
+        results = self.call_all(method, *args, **kwargs)
+        return restore_rows([results[r] for r in self.layout.representatives], shards)
+
     def __enter__(self):
         return self
 

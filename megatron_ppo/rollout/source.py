@@ -4,6 +4,7 @@ sampler draws from) and ``batch(rows, step) -> RolloutBatch``, so the loop does 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -48,16 +49,46 @@ class OnlineSource:
 
     def generate(self, prompts: dict, step: int) -> RolloutBatch:
         """Responses to collated (left-padded) prompts; rollout log-probs come back with the tokens."""
-        rows = [i for i in range(len(prompts["raw_prompt"])) for _ in range(self.n)]
-        keep = prompts["attention_mask"].bool()  # prompts come left-padded; generation takes them unpadded
-        prompt_ids = [prompts["input_ids"][i][keep[i]] for i in rows]
+        rows, prompt_ids = self._expand(prompts)
         out = self.actor.call_rows("generate", {"prompt_ids": prompt_ids}, [int(p.numel()) for p in prompt_ids],
                                    self.params, step, balance=self.balance)
+        return self._batch(prompts, rows, prompt_ids, out, step)
+
+    def submit(self, rows: list[int], step: int) -> "PendingRollout":
+        """``batch(rows, step)``, started on the actor's engine and left running (trainer.async_rollout=one_step);
+        ``collect`` takes it."""
+        prompts = self.dataset.collate(rows)
+        expanded, prompt_ids = self._expand(prompts)
+        shards = self.actor.submit_rows("generate_submit", {"prompt_ids": prompt_ids},
+                                        [int(p.numel()) for p in prompt_ids], self.params, step, balance=self.balance)
+        return PendingRollout(prompts, expanded, prompt_ids, shards, step)
+
+    def collect(self, pending: "PendingRollout") -> RolloutBatch:
+        out = self.actor.collect_rows("generate_collect", pending.shards)
+        return self._batch(pending.prompts, pending.rows, pending.prompt_ids, out, pending.step)
+
+    def _expand(self, prompts: dict) -> tuple[list[int], list[torch.Tensor]]:
+        """Each prompt ``n`` times (rollout.n), unpadded: generation takes them without the left padding."""
+        rows = [i for i in range(len(prompts["raw_prompt"])) for _ in range(self.n)]
+        keep = prompts["attention_mask"].bool()
+        return rows, [prompts["input_ids"][i][keep[i]] for i in rows]
+
+    def _batch(self, prompts: dict, rows: list[int], prompt_ids: list, out: dict, step: int) -> RolloutBatch:
         width = out["responses"].shape[1]
         mask = (torch.arange(width) < out["response_lengths"].unsqueeze(1)).float()
         meta = {key: [prompts[key][i] for i in rows] for key in META_KEYS}
         meta["uid"] = [f"{step}-{i}" for i in rows]  # GRPO groups: the n responses to one prompt of this batch
         return RolloutBatch(prompt_ids, out["responses"], mask, {"rollout_log_probs": out["log_probs"] * mask}, meta)
+
+
+@dataclass
+class PendingRollout:
+    """A rollout in flight (``OnlineSource.submit``): what ``collect`` needs to make its batch."""
+    prompts: dict
+    rows: list[int]
+    prompt_ids: list
+    shards: list[list[int]]
+    step: int
 
 
 class OfflineSource:

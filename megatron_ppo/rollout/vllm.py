@@ -127,12 +127,22 @@ class EngineProcess:
         """Send ``msg``, return the answer. Without an answer (or, with ``heartbeats``, a heartbeat) for
         ``timeout_s`` the engine is hung; if the process ends it died: either way it is killed and EngineError
         names it."""
+        self.send(msg)
+        return self.receive(msg, timeout_s, heartbeats)
+
+    def send(self, msg: dict) -> None:
+        """Send ``msg`` without waiting for its answer (``receive`` takes it later: the server answers one message
+        at a time, so nothing else may be sent in between)."""
         if self.proc.poll() is not None:
             raise self.fail(f"is not running ({self._exit_text()})")
         try:
             self.conn.send(msg)
         except OSError as e:
             raise self.fail(f"could not be sent {msg['op']!r} ({e})") from e
+
+    def receive(self, msg: dict, timeout_s: float, heartbeats: bool = False) -> dict:
+        """The answer to ``msg`` (already sent); heartbeats that queued up meanwhile are read and dropped. The hang
+        deadline counts from this call, or from the latest heartbeat."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self.conn.poll(POLL_S):
@@ -216,6 +226,7 @@ class VllmEngine:
         self.name = f"vLLM engine of actor replica dp{self.dp}"
         self.version = None  # the weights version this replica's engine holds (the same on every rank)
         self.process: EngineProcess | None = None
+        self.pending = None  # (the generate message on the owner, else None; its SamplingParams) until collected
         self.export_seconds = self.load_seconds = 0.0
         if self.owner:
             atexit.register(self.close)
@@ -321,6 +332,9 @@ class VllmEngine:
         """Every rank: export the actor's current weights and have the engine load them (starts the engine if it
         is not running yet)."""
         version = self.worker.weights_version
+        if self.pending is not None:
+            raise EngineError(f"{self.name}: weights v{version} cannot be loaded while a rollout is in flight "
+                              "(collect it first: the engine answers one message at a time)")
         if self.version is None:
             self._start(version)
             return
@@ -330,22 +344,54 @@ class VllmEngine:
     # -------------------------------------------------------------------------------------------- generate
     def generate(self, prompt_ids: Sequence[torch.Tensor], params: SamplingParams) -> GenerationOutput | None:
         """The replica's responses (on its owner; None on the other ranks, whose answer the driver drops)."""
+        self.submit(prompt_ids, params)
+        return self.collect()
+
+    def submit(self, prompt_ids: Sequence[torch.Tensor], params: SamplingParams) -> int:
+        """Every rank: start generating the replica's responses with the weights the actor holds now, and return
+        at once (trainer.async_rollout=one_step: the actor trains while the engine generates); ``collect`` takes
+        them. Returns the weights version that generates them. The engine must hold the actor's current weights
+        (StaleWeightsError otherwise): staleness comes only from training while a rollout is in flight."""
+        if self.pending is not None:
+            raise EngineError(f"{self.name}: a rollout is in flight already (submitted, not collected)")
         if self.version is None:
             self._start(self.worker.weights_version)  # the first rollout: the engine starts on the current weights
         if self.version != self.worker.weights_version:
             raise StaleWeightsError(f"{self.name}: holds weights v{self.version}, the actor is at "
                                     f"v{self.worker.weights_version} (sync_weights was not called after an update)")
-        if not self.owner:
+        self.pending = (None, params)
+        if self.owner:
+            self.process.calls += 1
+            sampling = {"greedy": params.greedy, "temperature": params.temperature, "top_k": params.top_k,
+                        "top_p": params.top_p, "max_tokens": params.max_response_length,
+                        "eos_token_ids": list(params.eos_token_ids), "seed": params.seed}
+            msg = {"op": "generate", "call": self.process.calls, "version": self.version,
+                   "prompts": [p.tolist() for p in prompt_ids], "sampling": sampling,
+                   "heartbeat_s": min(5.0, self.engine_cfg.hang_timeout_s / 3)}
+            self._send(msg)
+            self.pending = (msg, params)
+        return self.version
+
+    def collect(self) -> GenerationOutput | None:
+        """The submitted rollout's responses (on the owner; None on the other ranks)."""
+        if self.pending is None:
+            raise EngineError(f"{self.name}: nothing to collect (no rollout was submitted)")
+        (msg, params), self.pending = self.pending, None
+        if msg is None:
             return None
-        self.process.calls += 1
-        sampling = {"greedy": params.greedy, "temperature": params.temperature, "top_k": params.top_k,
-                    "top_p": params.top_p, "max_tokens": params.max_response_length,
-                    "eos_token_ids": list(params.eos_token_ids), "seed": params.seed}
-        reply = self._call({"op": "generate", "call": self.process.calls, "version": self.version,
-                                   "prompts": [p.tolist() for p in prompt_ids], "sampling": sampling,
-                                   "heartbeat_s": min(5.0, self.engine_cfg.hang_timeout_s / 3)},
-                                  self.engine_cfg.hang_timeout_s, heartbeats=True)
+        try:
+            reply = self.process.receive(msg, self.engine_cfg.hang_timeout_s, heartbeats=True)
+        except EngineError:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
         return to_output(reply["results"], params)
+
+    def _send(self, msg: dict) -> None:
+        try:
+            self.process.send(msg)
+        except EngineError:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
 
     def _call(self, msg: dict, timeout_s: float, heartbeats: bool = False) -> dict:
         """A call to the engine; a failed engine is gone (EngineProcess killed it): its weight directory too."""

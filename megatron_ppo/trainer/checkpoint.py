@@ -223,6 +223,30 @@ def write_driver_state(tmp: str, state: dict, rng: dict) -> None:
         json.dump({"format": FORMAT, **state}, f, indent=1, sort_keys=True)
 
 
+NEXT_BATCH = "next_batch.pt"  # trainer.async_rollout=one_step: the rollout generated ahead, for the next step
+
+
+def write_next_batch(tmp: str, batch) -> None:
+    import torch
+
+    torch.save({"prompt_ids": batch.prompt_ids, "responses": batch.responses, "response_mask": batch.response_mask,
+                "tensors": batch.tensors, "meta": batch.meta}, os.path.join(tmp, NEXT_BATCH))
+
+
+def read_next_batch(directory: str):
+    """The saved rollout generated ahead (a RolloutBatch), or None when the run saved none."""
+    import torch
+
+    from megatron_ppo.data.batch import RolloutBatch
+
+    path = os.path.join(directory, NEXT_BATCH)
+    if not os.path.isfile(path):
+        return None
+    saved = torch.load(path, weights_only=True)
+    return RolloutBatch(saved["prompt_ids"], saved["responses"], saved["response_mask"], saved["tensors"],
+                        saved["meta"])
+
+
 def write_worker_states(tmp: str, role: str, rank_states: list[dict]) -> None:
     import torch
 

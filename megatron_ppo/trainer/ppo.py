@@ -43,6 +43,8 @@ class PPOTrainer:
         self.nonfinite_detail: dict[str, str] = {}  # role -> the offending values of its latest such step
         self.stop_requested = None  # a callable -> the signal name when preemption asks to stop (entry.py), or None
         self.resumed_from: str | None = None
+        self.policy_version = 0  # actor updates so far: the version of the weights the engine generates with
+        self.next_batch: RolloutBatch | None = None  # generated ahead (trainer.async_rollout=one_step)
 
     # ------------------------------------------------------------------------------------------------ the loop
     def fit(self, total_steps: int) -> list[dict]:
@@ -56,7 +58,8 @@ class PPOTrainer:
             dispatched = self.dispatch_seconds()
             with timed("step", metrics):
                 with timed("gen", metrics):
-                    batch = self.rollout(self.p.sampler.next_batch())
+                    batch = self.next_rollout()
+                ahead = self.submit_ahead(total_steps, metrics)
                 with timed("reward", metrics):
                     self.score(batch, metrics)
                 with timed("old_log_prob", metrics):
@@ -69,6 +72,10 @@ class PPOTrainer:
                 if self.step > self.cfg.trainer.critic_warmup:
                     with timed("update_actor", metrics):
                         self.update_actor(batch, metrics)
+                if ahead is not None:  # the engine answers one message at a time: the rollout before the weights
+                    with timed("gen_wait", metrics):
+                        self.next_batch = self.collect_ahead(ahead)
+                if self.step > self.cfg.trainer.critic_warmup:
                     with timed("sync_weights", metrics):
                         self.sync_weights()
             if self.cfg.cluster.launcher == "ray":
@@ -88,6 +95,43 @@ class PPOTrainer:
                 break
         return history
 
+    # ------------------------------------------------------------------------------------------------ rollouts
+    def next_rollout(self) -> RolloutBatch:
+        """This step's batch: the one generated ahead during the last step (trainer.async_rollout=one_step), else
+        generated now. Each row carries the policy version that generated it (``meta["weight_version"]``: actor
+        updates before it) and the rollout/staleness_* metrics say how far the policy has moved since."""
+        if self.next_batch is not None:
+            batch, self.next_batch = self.next_batch, None
+        elif self.cfg.trainer.async_rollout == "one_step":  # the first step, or max_staleness=0: nothing ahead
+            pending = self.p.source.submit(self.p.sampler.next_batch(), self.step)
+            batch = self.stamp(self.p.source.collect(pending), self.policy_version)
+        else:
+            batch = self.stamp(self.rollout(self.p.sampler.next_batch()), self.policy_version)
+        return batch
+
+    def submit_ahead(self, total_steps: int, metrics: dict):
+        """one_step with max_staleness 1: the next step's prompts go to the engine now, generated with the weights
+        this step starts from while this step trains; None when nothing is generated ahead."""
+        t = self.cfg.trainer
+        if t.async_rollout != "one_step" or t.max_staleness < 1 or self.step >= total_steps:
+            return None
+        with timed("gen_submit", metrics):
+            return self.p.source.submit(self.p.sampler.next_batch(), self.step + 1), self.policy_version
+
+    def collect_ahead(self, ahead) -> RolloutBatch:
+        pending, version = ahead
+        return self.stamp(self.p.source.collect(pending), version)
+
+    @staticmethod
+    def stamp(batch: RolloutBatch, version: int) -> RolloutBatch:
+        batch.meta["weight_version"] = [version] * batch.size
+        return batch
+
+    def staleness_metrics(self, batch: RolloutBatch) -> dict:
+        """Actor updates between the policy that generated each row and the one this step trains."""
+        lag = np.array([self.policy_version - v for v in batch.meta["weight_version"]], dtype=np.float64)
+        return {"rollout/staleness_mean": float(lag.mean()), "rollout/staleness_max": float(lag.max())}
+
     def dispatch_seconds(self) -> float:
         """Seconds the driver has spent so far moving calls and results to and from Ray ranks (serialisation, RPC,
         gather: each call's wall time minus its slowest rank's time in the method), over all groups."""
@@ -105,6 +149,7 @@ class PPOTrainer:
         return {"step": self.step, "sampler": self.p.sampler.state_dict(),
                 "kl_ctrl": self.p.kl_ctrl.state_dict() if self.p.kl_ctrl is not None else None,
                 "nonfinite_streak": dict(self.nonfinite_streak), "nonfinite_detail": dict(self.nonfinite_detail),
+                "policy_version": self.policy_version,
                 "layouts": {role: str(self.p.groups.get(role).layout) for role in self.p.groups.groups}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -119,6 +164,7 @@ class PPOTrainer:
             self.p.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.nonfinite_streak = {k: int(v) for k, v in state["nonfinite_streak"].items()}
         self.nonfinite_detail = dict(state["nonfinite_detail"])
+        self.policy_version = int(state.get("policy_version", 0))  # (absent from checkpoints before one_step)
 
     def save_checkpoint(self) -> str:
         """Step ``self.step``'s checkpoint (see trainer/checkpoint.py for the layout), written atomically and sealed
@@ -140,6 +186,8 @@ class PPOTrainer:
         for role in self.frozen_roles():  # no model state to save: their RNG streams only
             ckpt.write_worker_states(tmp, role, self.p.groups.get(role).call_all("rng_state"))
         ckpt.write_driver_state(tmp, self.state_dict(), driver_rng)
+        if self.next_batch is not None:  # one_step: the rollout generated ahead by the weights this step started
+            ckpt.write_next_batch(tmp, self.next_batch)  # from; those weights are not saved, so neither regenerable
         final = ckpt.finish_save(root, tmp, self.step, digests=t.verify_checkpoint == "full")  # manifest last
         gone = ckpt.prune(root, {role: getattr(t, f"max_{role}_ckpt_to_keep") for role in self.trained_roles()},
                           self.step)
@@ -152,6 +200,10 @@ class PPOTrainer:
         reshard; RNG states are restored only where the layout is the saving one)."""
         state, driver_rng = ckpt.read_driver_state(directory)
         self.load_state_dict(state)
+        self.next_batch = ckpt.read_next_batch(directory)
+        if self.next_batch is not None:
+            log.info("%s: the rollout generated ahead for step %d (%d rows, policy v%d) is this run's next batch",
+                     directory, self.step + 1, self.next_batch.size, self.next_batch.meta["weight_version"][0])
         for role in self.trained_roles():
             if not os.path.isdir(os.path.join(directory, role)):
                 raise ckpt.CheckpointError(f"{directory} has no {role} model (deleted by max_{role}_ckpt_to_keep?)")
@@ -253,7 +305,10 @@ class PPOTrainer:
         self._update("critic", batch, metrics)
 
     def update_actor(self, batch: RolloutBatch, metrics: dict) -> None:
+        if self.cfg.trainer.async_rollout == "one_step":
+            metrics.update(self.staleness_metrics(batch))
         self._update("actor", batch, metrics)
+        self.policy_version += 1
 
     def sync_weights(self) -> None:
         """The actor's rollout engine takes the updated weights (a no-op for the in-actor Megatron engine)."""

@@ -31,13 +31,35 @@ class ActorWorker(RoleWorker):
         self.weights_version = 0  # grows whenever the weights change (update, load): an engine with its own copy
         # of the weights must hold this version to generate (rollout/vllm.py)
         self.engine = build_engine(cfg.rollout.name, self, cfg)
+        self.submitted = None  # the SamplingParams of a rollout in flight (generate_submit)
 
     def generate(self, prompts: dict, params: SamplingParams, step: int) -> dict:
         """Responses to this replica's prompts ({"prompt_ids": [...]}), padded to max_response_length; each DP
         replica samples with its own seed (rollout.base.replica_seed: trainer.seed, step, replica)."""
+        params = self._replica_params(params, step)
+        return self._padded(self.engine.generate(list(prompts["prompt_ids"]), params), params)
+
+    def generate_submit(self, prompts: dict, params: SamplingParams, step: int) -> None:
+        """``generate``, started and left running (trainer.async_rollout=one_step): the engine generates with the
+        weights held now while this rank goes on training; ``generate_collect`` takes the answer. Engines that
+        generate inside this rank have no submit (config/checks.py refuses them)."""
+        params = self._replica_params(params, step)
+        self.engine.submit(list(prompts["prompt_ids"]), params)
+        self.submitted = params
+
+    def generate_collect(self) -> dict | None:
+        """The submitted rollout, as ``generate`` answers."""
+        if self.submitted is None:
+            raise RuntimeError("generate_collect: no rollout was submitted")
+        params, self.submitted = self.submitted, None
+        return self._padded(self.engine.collect(), params)
+
+    def _replica_params(self, params: SamplingParams, step: int) -> SamplingParams:
         seed = replica_seed(self.cfg.trainer.seed, step, parallel.dp_size(), parallel.dp_rank())
-        params = dataclasses.replace(params, seed=seed)
-        out = self.engine.generate(list(prompts["prompt_ids"]), params)
+        return dataclasses.replace(params, seed=seed)
+
+    @staticmethod
+    def _padded(out, params: SamplingParams) -> dict | None:
         if out is None:  # an engine answering on the replica's representative rank only (vLLM)
             return None
         pad = params.max_response_length - out.responses.shape[1]

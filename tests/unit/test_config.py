@@ -354,6 +354,13 @@ RULES = [
     ("enum_dtype", "tiny_cpu", ["actor.model.dtype=fp8"], ["actor.model.dtype", "'bfloat16'"]),
     ("phase_missing_key", "tiny_cpu", ["algorithm.kl_ctrl.type=phased", "algorithm.kl_ctrl.phases=[{until: 1.0}]"],
      ["algorithm.kl_ctrl.phases[0].coef: required key is missing"]),
+    # trainer.async_rollout=one_step: only where generation can overlap training
+    ("one_step_megatron_engine", "tiny_cpu", ["trainer.async_rollout=one_step"],
+     ["trainer.async_rollout: one_step needs rollout.name=vllm, got 'megatron'", "nothing could overlap"]),
+    ("one_step_offline", "tiny_cpu", ["trainer.async_rollout=one_step", "rollout.name=vllm", "rollout.mode=offline",
+                                      "rollout.trajectory_files=[t.parquet]", "data.train_files=[]"],
+     ["trainer.async_rollout: one_step overlaps generation with training; rollout.mode=offline generates nothing"]),
+    ("max_staleness_two", "tiny_cpu", ["trainer.max_staleness=2"], ["trainer.max_staleness: must be 0 or 1", "got 2"]),
     # actor
     ("clip_ratio_c_not_above_1", "tiny_cpu", ["actor.clip_ratio_c=1.0"], ["actor.clip_ratio_c: must be > 1.0", "1.0"]),
     ("clip_ratio_range", "tiny_cpu", ["actor.clip_ratio=1.5"], ["actor.clip_ratio: must be in (0, 1), got 1.5"]),
