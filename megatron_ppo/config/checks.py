@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Optional
 
 from .io import ConfigError
@@ -316,6 +317,10 @@ def _vllm(cfg: PPOConfig, errs: _Errors) -> None:
                f"must be in (0, 1], got {v.gpu_memory_utilization}")
     errs.check(v.cpu_kv_cache_gib > 0, "rollout.vllm.cpu_kv_cache_gib", f"must be > 0, got {v.cpu_kv_cache_gib}")
     errs.positive("rollout.vllm.max_num_seqs", v.max_num_seqs)
+    if v.cpu_threads_bind is not None:
+        errs.check(re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", v.cpu_threads_bind) is not None,
+                   "rollout.vllm.cpu_threads_bind", f"must list cores like '0', '0-3' or '0,2-3', got "
+                   f"{v.cpu_threads_bind!r}")
     errs.positive("rollout.vllm.bucket_mb", v.bucket_mb)
     errs.check(v.start_timeout_s > 0, "rollout.vllm.start_timeout_s", f"must be > 0, got {v.start_timeout_s}")
     errs.check(v.hang_timeout_s > 0, "rollout.vllm.hang_timeout_s", f"must be > 0, got {v.hang_timeout_s}")

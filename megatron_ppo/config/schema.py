@@ -251,6 +251,9 @@ class VllmRolloutConfig:
     gpu_memory_utilization: float = field(0.5, "GPU: the fraction of GPU memory vLLM may take (weights + KV cache)")
     cpu_kv_cache_gib: float = field(1.0, "CPU: the KV cache size in GiB (vLLM's kv_cache_memory_bytes; "
                                     "VLLM_CPU_KVCACHE_SPACE)", None)
+    cpu_threads_bind: Optional[str] = field(None, "CPU: the cores the engine's threads run on, e.g. '0' or '0-3' "
+                                            "(vLLM's VLLM_CPU_OMP_THREADS_BIND; with trainer.async_rollout=one_step, "
+                                            "cores the training does not use); null: vLLM's own choice", None)
     max_num_seqs: int = field(256, "sequences vLLM batches at once")
     enforce_eager: bool = field(True, "no CUDA graphs (faster start, slower decode on GPU)")
     weight_transport: Literal["file", "ipc"] = field(

@@ -301,6 +301,8 @@ class VllmEngine:
                    VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # Ray sets them per actor; vLLM binds its own threads
             env.pop(key, None)
+        if e.cpu_threads_bind is not None and not torch.cuda.is_available():
+            env["VLLM_CPU_OMP_THREADS_BIND"] = e.cpu_threads_bind  # one thread per listed core
         start = time.perf_counter()
         self.process = EngineProcess(vllm_python(e), self.name, self.log_path(), env, e.start_timeout_s,
                                      e.hang_timeout_s)

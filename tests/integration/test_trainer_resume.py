@@ -202,34 +202,36 @@ def _records(tmp: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
-def test_preemption_signal_saves_exits_0_and_a_new_process_resumes_bit_exactly(data_dir, tmp_path, sig):
-    """SIGTERM and SIGUSR1 (what Slurm's --signal=USR1 sends before a time limit) during step 2: the step finishes,
-    a checkpoint is written, exit 0; rerunning the command resumes and repeats the uninterrupted run exactly."""
+def test_preemption_signals_save_exit_0_and_each_new_process_resumes_bit_exactly(data_dir, tmp_path):
+    """SIGUSR1 (what Slurm's --signal=USR1 sends before a time limit) during step 2, then SIGTERM during the resumed
+    run's next step: each time the step finishes, a checkpoint is written, exit 0; rerunning the command resumes, and
+    the three processes together repeat the uninterrupted run exactly (one reference run for both signals)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref = subprocess.run(_train_cmd(data_dir, ref_dir, "trainer.total_training_steps=4"), cwd=REPO, env=env,
+    ref = subprocess.run(_train_cmd(data_dir, ref_dir, "trainer.total_training_steps=6"), cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=900)
     assert ref.returncode == 0, ref.stderr[-3000:]
 
-    cmd = _train_cmd(data_dir, run_dir, "trainer.total_training_steps=4")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600
-    while len(_records(run_dir)) < 1 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(sig)  # during step 2
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    done = len(_records(run_dir))
-    assert 1 <= done < 4, "the signal came too late to test anything"
-    assert f"{sig.name}: finishing the current step" in err and f"stopped by {sig.name} after step {done}" in out
-    assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(done)
+    cmd = _train_cmd(data_dir, run_dir, "trainer.total_training_steps=6")
+    done = 0
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 600
+        while len(_records(run_dir)) < done + 1 and proc.poll() is None and time.time() < deadline:  # its 1st step
+            time.sleep(0.05)
+        proc.send_signal(sig)  # during the process's second step
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        before, done = done, len(_records(run_dir))
+        assert before + 1 <= done < 6, f"{sig.name} came too late to test anything"
+        assert f"{sig.name}: finishing the current step" in err and f"stopped by {sig.name} after step {done}" in out
+        assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(done)
 
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     records, expected = _records(run_dir), _records(ref_dir)
-    assert [r["step"] for r in records] == [1, 2, 3, 4]  # each step once
-    for got, want in zip(records[done:], expected[done:]):
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # each step once, from three processes
+    for got, want in zip(records, expected):
         assert _comparable(got) == _comparable(want)
 
 

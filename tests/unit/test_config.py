@@ -360,6 +360,8 @@ RULES = [
     ("one_step_offline", "tiny_cpu", ["trainer.async_rollout=one_step", "rollout.name=vllm", "rollout.mode=offline",
                                       "rollout.trajectory_files=[t.parquet]", "data.train_files=[]"],
      ["trainer.async_rollout: one_step overlaps generation with training; rollout.mode=offline generates nothing"]),
+    ("vllm_cpu_threads_bind", "tiny_cpu", ["rollout.name=vllm", "rollout.vllm.cpu_threads_bind=core0"],
+     ["rollout.vllm.cpu_threads_bind: must list cores like '0', '0-3' or '0,2-3', got 'core0'"]),
     ("max_staleness_two", "tiny_cpu", ["trainer.max_staleness=2"], ["trainer.max_staleness: must be 0 or 1", "got 2"]),
     # actor
     ("clip_ratio_c_not_above_1", "tiny_cpu", ["actor.clip_ratio_c=1.0"], ["actor.clip_ratio_c: must be > 1.0", "1.0"]),
