@@ -8,7 +8,6 @@ inside each rank. cluster.launcher=local: a ``LocalWorkerGroup`` per role in thi
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 from dataclasses import dataclass, field
@@ -131,25 +130,10 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
         out.placement = create_placement(placement)
         table = log_rank_table(layouts(cfg), out.placement)
         write_rank_table(table, cfg.trainer.log_dir)
-
-        def start(role, layout):
-            extra = {"total_steps": total_steps} if roles.spec(role).trainable else {}
-            return RayWorkerGroup(role, layout, placement.roles[role], classes[role], {**kwargs, **extra},
-                                  seed=cfg.trainer.seed, collective_timeout_s=cfg.cluster.collective_timeout_s)
-
-        # Every role's ranks start at once (each group's start is mostly waiting on its processes: spawn, imports,
-        # model build); one thread per role waits on its own group. A failed role fails the whole start.
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(layouts(cfg))) as pool:
-            futures = {role: pool.submit(start, role, layout) for role, layout in layouts(cfg).items()}
-            errors = []
-            for role, future in futures.items():
-                try:
-                    out.groups[role] = future.result()
-                except BaseException as e:  # noqa: BLE001 - the first is raised below, once all have settled
-                    errors.append(e)
-            if errors:
-                raise errors[0]
         for role, layout in layouts(cfg).items():
+            extra = {"total_steps": total_steps} if roles.spec(role).trainable else {}
+            out.groups[role] = RayWorkerGroup(role, layout, placement.roles[role], classes[role], {**kwargs, **extra},
+                                              seed=cfg.trainer.seed, collective_timeout_s=cfg.cluster.collective_timeout_s)
             out.groups[role].rank_table = table  # a lost node is named with every role's ranks on it
             rp, threads = placement.roles[role], sorted(set(out.groups[role].threads))
             log.info("%s: %s on Ray, %s torch thread(s) per rank (bundle of %g CPUs%s), up in %.1f s", role, layout,
