@@ -96,7 +96,9 @@ def _start_until_step(tmp: Path, step: int) -> tuple[subprocess.Popen, Path]:
 
 def test_tp2_on_policy_then_a_killed_engine_ends_the_run_within_60_s_naming_it(tmp_path):
     """Actor TP2 -> one engine: on-policy for the first 4 steps; then the engine is killed and the run ends within
-    60 s with a line naming the engine and its replica, and no process of the run is left."""
+    60 s with a line naming the engine and its replica, and no process of the run is left. Then the same layout with
+    trainer.async_rollout=one_step at max_staleness=0 repeats the first 3 steps exactly (test_ppo_one_step.py tests
+    the mode at staleness 1; sharing this run saves a vLLM run of CI)."""
     proc, logs = _start_until_step(tmp_path, 5)
     tree = []
     try:
@@ -121,3 +123,16 @@ def test_tp2_on_policy_then_a_killed_engine_ends_the_run_within_60_s_naming_it(t
         stderr[-3000:]
     time.sleep(2)
     assert still_alive(tree) == [], still_alive(tree)
+    # trainer.async_rollout=one_step at max_staleness=0 is this synchronous run, metric for metric (its rollouts go
+    # through the engine's submit / collect; constant lr: the 200-step run's first steps do not depend on its length)
+    zero_dir = tmp_path / "one_step_zero"
+    zero = subprocess.run(_command(zero_dir, 3, ("trainer.async_rollout=one_step", "trainer.max_staleness=0")),
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert zero.returncode == 0, zero.stderr[-3000:]
+    zero_steps = _steps(zero_dir / "logs")
+    assert [s["step"] for s in zero_steps] == [1, 2, 3]
+    for sync_step, zero_step in zip(steps[:3], zero_steps):
+        assert zero_step["rollout/staleness_max"] == 0.0
+        keys = {k for k in (*sync_step, *zero_step) if not k.startswith(("timing/", "perf/", "rollout/staleness"))}
+        diff = {k: (sync_step.get(k), zero_step.get(k)) for k in sorted(keys) if sync_step.get(k) != zero_step.get(k)}
+        assert diff == {}, (sync_step["step"], diff)
