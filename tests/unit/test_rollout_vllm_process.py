@@ -145,3 +145,22 @@ def test_hf_config_refuses_what_no_hf_model_is():
     arch = ModelArch(2, 64, 96, 4, 2, 300, 512, add_qkv_bias=True, extra={"hf_model_type": "llama"})
     with pytest.raises(ConversionError, match="no HF model type"):
         hf_config_dict(arch)
+
+
+def test_a_sent_message_is_answered_when_received_later_and_the_bound_server_runs_on_its_cores(tmp_path):
+    """send / receive (what submit / collect of trainer.async_rollout=one_step use): the answer waits in the socket
+    until it is read. rollout.vllm.cpu_threads_bind: the whole server process runs on the listed cores, not only
+    vLLM's OMP threads (the engine loop on the training's cores slowed the training by half: tools/bench_async.py)."""
+    import psutil
+
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    proc = EngineProcess(sys.executable, "vLLM engine of actor replica dp0", str(tmp_path / "engine.log"), env,
+                         start_timeout_s=30, hang_timeout_s=5)
+    try:
+        msg = {"op": "ping"}
+        proc.send(msg)
+        time.sleep(0.5)  # the rank does something else meanwhile
+        assert proc.receive(msg, 30)["ok"]
+        assert psutil.Process(proc.pid).cpu_affinity() == [0]
+    finally:
+        proc.close()

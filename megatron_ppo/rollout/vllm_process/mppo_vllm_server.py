@@ -199,9 +199,22 @@ class Server:
                                 "traceback": traceback.format_exc()[-4000:]})
 
 
+def cores(spec: str) -> set[int]:
+    """'0,2-3' -> {0, 2, 3}"""
+    out = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
 def main() -> None:
     from multiprocessing.connection import Connection
 
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") not in ("auto", "nobind", "all"):
+        # rollout.vllm.cpu_threads_bind: vLLM binds its OMP threads there; the rest of the process (the engine loop,
+        # this server, tokenisation) would stay on the parent's cores, the training's: all of it goes there
+        os.sched_setaffinity(0, cores(os.environ["VLLM_CPU_OMP_THREADS_BIND"]))
     conn = Connection(int(sys.argv[1]))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     try:
