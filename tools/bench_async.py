@@ -157,8 +157,8 @@ def page(results: dict, args, load: float, png_dir: Path) -> str:
              f"Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), load average "
              f"{load:.1f} at the start; {datetime.date.today()}. SmolLM2-135M-Instruct (configs/smollm2_gsm8k.yaml) "
              f"on the arithmetic task ({' '.join(ARITH_TRAIN[5:8])}, {ARITH_OVERRIDES[0]}), rollout.name=vllm; "
-             f"medians of steps 2-{args.steps} (step 1 starts the engine). The three layouts ran one after the other "
-             "in one invocation.", "",
+             f"medians of steps 2-{args.steps} (step 1 starts the engine). The layouts ran one after the other on "
+             "this machine (`--reuse`: the finished ones of an earlier invocation are kept).", "",
              "| layout | step (s) | tokens/s | gen | gen_wait | old_log_prob | update_critic | update_actor | "
              "sync_weights | staleness |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():

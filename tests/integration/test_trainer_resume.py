@@ -266,22 +266,37 @@ def _probe_classes():
     return {"actor": type("FullActor", (_FullActor, ActorWorker), {"__module__": __name__})}
 
 
-SAVED_LAYOUTS = {  # 2 Ray ranks: the trained roles split over both by TP or by PP
+SAVED_LAYOUTS = {  # 2 Ray ranks: the trained roles split over both by TP (PP2: in the same-layout test below, which
+    # shares its Ray run)
     "TP2": {"cluster.actor.tensor_model_parallel_size": 2, "cluster.critic.tensor_model_parallel_size": 2,
             "cluster.ref.tensor_model_parallel_size": 2},
-    "PP2": {"cluster.actor.pipeline_model_parallel_size": 2, "cluster.critic.pipeline_model_parallel_size": 2,
-            "cluster.ref.pipeline_model_parallel_size": 2},
 }
+
+
+def _continues_at_tp1_pp1(data_dir, tmp: Path, checkpoint: Path, saved: dict) -> None:
+    """Resumed in-process at TP1/PP1 from ``checkpoint``: the actor's weights equal ``saved`` (a Ray rank's full
+    state dict at the saving layout) before the next step, and the run continues."""
+    from megatron_ppo.testing.sharding import gather_full_state_dict
+
+    def compare(trainer):
+        got = gather_full_state_dict(trainer.p.actor.worker.model)
+        assert got.keys() == saved.keys()
+        assert all(torch.equal(got[k], saved[k]) for k in got)
+        assert trainer.step == 2
+
+    local = load_config("tiny_cpu", _overrides(data_dir, tmp))
+    trainer, history, _ = _run(local, 3, resume=str(checkpoint), before_fit=compare)
+    assert trainer.step == 3 and len(history) == 1
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(SAVED_LAYOUTS))
 def test_resume_at_another_layout_continues_with_equal_weights(data_dir, tmp_path, layout):
-    """Saved by Ray ranks at actor/critic TP2 or PP2, resumed in-process at TP1/PP1: the weights (and the optimizer
-    state, which the next update uses) reshard; the run continues. RNG streams are not comparable across layouts."""
+    """Saved by Ray ranks at actor/critic TP2, resumed in-process at TP1: the weights (and the optimizer state, which
+    the next update uses) reshard; the run continues. RNG streams are not comparable across layouts. (PP2 -> PP1: the
+    same-layout test's PP2 case.)"""
     ray = pytest.importorskip("ray")
     from megatron_ppo.distributed import connect_or_start
-    from megatron_ppo.testing.sharding import gather_full_state_dict
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import PPOTrainer
 
@@ -301,16 +316,7 @@ def test_resume_at_another_layout_continues_with_equal_weights(data_dir, tmp_pat
     finally:
         cluster.shutdown()
     assert all(torch.equal(saved[0][k], s[k]) for s in saved for k in s)
-
-    def compare(trainer):
-        got = gather_full_state_dict(trainer.p.actor.worker.model)
-        assert got.keys() == saved[0].keys()
-        assert all(torch.equal(got[k], saved[0][k]) for k in got)
-        assert trainer.step == 2
-
-    local = load_config("tiny_cpu", _overrides(data_dir, tmp_path / "tp1"))
-    trainer, history, _ = _run(local, 3, resume=str(tmp_path / "ckpt" / "global_step_2"), before_fit=compare)
-    assert trainer.step == 3 and len(history) == 1
+    _continues_at_tp1_pp1(data_dir, tmp_path / "tp1", tmp_path / "ckpt" / "global_step_2", saved[0])
 
 
 RAY_LAYOUTS = {  # (actor, critic) on 2 Ray ranks: DP2 (per-rank RNG states), PP2 (one layer a stage; ref too)
@@ -324,18 +330,22 @@ RAY_LAYOUTS = {  # (actor, critic) on 2 Ray ranks: DP2 (per-rank RNG states), PP
 @pytest.mark.parametrize("layout", list(RAY_LAYOUTS))
 def test_resume_on_ray_at_the_same_layout_is_bit_exact(data_dir, tmp_path, layout):
     """Ray ranks (actor and critic DP2 or PP2): 4 straight steps (saving at step 2) vs a resume from that step's
-    checkpoint in new groups."""
-    ray = pytest.importorskip("ray")  # noqa: F841
+    checkpoint in new groups. PP2 also resumes that checkpoint in-process at PP1 (``_continues_at_tp1_pp1``): the
+    weights the resumed PP2 ranks hold equal the PP1 ones."""
+    ray = pytest.importorskip("ray")
     from megatron_ppo.distributed import connect_or_start
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import PPOTrainer
 
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     extra, (tp, pp, dp) = RAY_LAYOUTS[layout]
     two = {"cluster.launcher": "ray", "cluster.n_gpus_per_node": 2, "trainer.total_training_steps": 4, **extra}
+    held = {}
 
     def run(tmp, steps, save_freq=-1, resume=None):
         cfg = load_config("tiny_cpu", _overrides(data_dir, tmp, **two, **{"trainer.save_freq": save_freq}))
-        parts = build_components(cfg, resuming=resume is not None)
+        probe = resume is not None and layout == "PP2"
+        parts = build_components(cfg, resuming=resume is not None, worker_classes=_probe_classes() if probe else None)
         try:
             trainer = PPOTrainer(cfg, parts)
             for role in (parts.actor, parts.critic):
@@ -343,19 +353,24 @@ def test_resume_on_ray_at_the_same_layout_is_bit_exact(data_dir, tmp_path, layou
             if resume:
                 _scramble_rng()  # a new process's history differs: whatever it drew must not matter
                 trainer.resume(resume)
+            if probe:
+                held["weights"] = parts.actor.call_all("full_state_dict")[0]
             return trainer.fit(steps)
         finally:
             parts.close()
 
+    checkpoint = tmp_path / "straight" / "ckpt" / "global_step_2"
     cluster = connect_or_start("local", num_cpus=4)
     try:  # the straight run saves at step 2 and goes on: a save that shifted its random streams would fail this too
         straight = run(tmp_path / "straight", 4, save_freq=2)
-        tail = run(tmp_path / "resumed", 4, resume=str(tmp_path / "straight" / "ckpt" / "global_step_2"))
+        tail = run(tmp_path / "resumed", 4, resume=str(checkpoint))
     finally:
         cluster.shutdown()
     assert len(tail) == 2
     for expected, got in zip(straight[2:], tail):
         assert _comparable(got) == _comparable(expected)
+    if layout == "PP2":
+        _continues_at_tp1_pp1(data_dir, tmp_path / "pp1", checkpoint, held["weights"])
 
 
 def _fake_checkpoint(root: Path, step: int, roles=("actor", "critic"), complete=True) -> Path:

@@ -46,17 +46,11 @@ def _submit(cluster, tmp_path: Path, steps: int, *extra: str) -> tuple[str, Path
     return job_id, root / f"mppo-tiny-{job_id}", out
 
 
-def test_three_nodes_tp_inside_a_node_dp_across_equal_one_node(netns_cluster, tmp_path):
-    job_id, run_dir, out = _submit(netns_cluster, tmp_path, 2)
-    state = netns_cluster.wait_done(job_id, timeout=900)
-    text = out.read_text(errors="replace") if out.exists() else ""
-    assert state in ("COMPLETED", "GONE") and "driver exited with 0" in text, f"{state}\n{text[-5000:]}"
-    assert "Ray cluster up: joined: node0 node1 node2" in text, text[-3000:]
-
-    # where the ranks ran: each node holds one TP group (ranks 2d, 2d+1 = DP replica d) of every role
-    table = json.loads((run_dir / "logs" / "placement.json").read_text())
+def _check_placement(table: list[dict], cluster) -> None:
+    """Where the ranks ran: each node holds one TP group (ranks 2d, 2d+1 = DP replica d) of every role; colocated:
+    rank r of every role on the same node."""
     assert len(table) == 12 and {r["node"] for r in table} == {"node0", "node1", "node2"}, table
-    addr = {n.name: n.addr for n in netns_cluster.nodes}
+    addr = {n.name: n.addr for n in cluster.nodes}
     for role in ("actor", "critic"):
         rows = sorted((r for r in table if r["role"] == role), key=lambda r: r["rank"])
         assert [(r["tp"], r["dp"]) for r in rows] == [(t, d) for d in range(3) for t in range(2)], rows
@@ -65,24 +59,24 @@ def test_three_nodes_tp_inside_a_node_dp_across_equal_one_node(netns_cluster, tm
             assert len({r["node"] for r in tp_group}) == 1, f"{role} TP group of DP replica {d} spans nodes: {rows}"
             assert all(r["ip"] == addr[r["node"]] for r in tp_group), (tp_group, addr)
         assert len({r["node"] for r in rows}) == 3, f"{role}'s DP replicas are not on three nodes: {rows}"
-    # colocated: rank r of every role on the same node
     by_rank = {}
     for r in table:
         by_rank.setdefault(r["rank"], set()).add(r["node"])
     assert all(len(nodes) == 1 for nodes in by_rank.values()), by_rank
 
-    multi = [r for r in _records(run_dir / "logs" / "metrics.jsonl") if "actor/pg_loss" in r]
-    assert [r["step"] for r in multi] == [1, 2]
 
-    # the same layout on one node (local Ray, 6 slots): the same numbers
+def _equal_one_node(tmp_path: Path, multi: list[dict]) -> None:
+    """The same layout on one node (local Ray, 6 slots), as many steps: the same numbers (constant lr: a longer
+    run's first steps do not depend on its length)."""
     logs = tmp_path / "one_node"
     one = subprocess.run([sys.executable, "-m", "megatron_ppo.cli", "train", "--config", "configs/tiny_cpu.yaml",
-                          "cluster.nnodes=1", "cluster.n_gpus_per_node=6", "trainer.total_training_steps=2",
+                          "cluster.nnodes=1", "cluster.n_gpus_per_node=6", f"trainer.total_training_steps={len(multi)}",
                           f"trainer.log_dir={logs}", f"trainer.default_local_dir={tmp_path / 'one_ckpt'}",
                           *LAYOUT], cwd=REPO, capture_output=True, text=True, timeout=900,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert one.returncode == 0, one.stderr[-4000:]
     single = [r for r in _records(logs / "metrics.jsonl") if "actor/pg_loss" in r]
+    assert [r["step"] for r in single] == [r["step"] for r in multi]
     assert {r["node"] for r in json.loads((logs / "placement.json").read_text())} == {
         json.loads((logs / "placement.json").read_text())[0]["node"]}
     for m, s in zip(multi, single):
@@ -91,8 +85,11 @@ def test_three_nodes_tp_inside_a_node_dp_across_equal_one_node(netns_cluster, tm
             assert m[key] == pytest.approx(s[key], rel=1e-5, abs=1e-7), (m["step"], key, m[key], s[key])
 
 
-def test_a_killed_node_is_named_and_the_job_resumes_on_the_two_left(netns_cluster, tmp_path):
-    """The first run has the three nodes (DP3). node2 is killed once the step-2 checkpoint is written: the run's batch
+def test_three_nodes_equal_one_node_then_a_killed_node_is_named_and_the_job_resumes_on_the_two_left(netns_cluster,
+                                                                                                     tmp_path):
+    """The first run has the three nodes (DP3): Ray's head on node0 and a worker from each other node; each TP group
+    inside one node, the DP replicas across the three (``_check_placement``); its steps 1-2 equal the same layout run
+    on one node (``_equal_one_node``, checked at the end). node2 is killed once the step-2 checkpoint is written: the run's batch
     script ends within 60 s with a line naming node2 and the ranks it held, nothing of that run is left on the other
     nodes, and the job requeues itself (ray_on_slurm.sh, MPPO_REQUEUE_ON_NODE_LOSS). Slurm keeps the job COMPLETING
     until node2 is declared DOWN (SlurmdTimeout 30 s); once it is PENDING again it is given 2 nodes (`scontrol
@@ -111,7 +108,10 @@ def test_a_killed_node_is_named_and_the_job_resumes_on_the_two_left(netns_cluste
         assert netns_cluster.job_state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"), text[-4000:]
         time.sleep(0.5)
     first = json.loads((run_dir / "logs" / "placement.json").read_text())
-    assert {r["node"] for r in first} == {"node0", "node1", "node2"} and len(first) == 12, first
+    _check_placement(first, netns_cluster)
+    assert "Ray cluster up: joined: node0 node1 node2" in out.read_text(errors="replace")
+    multi = [r for r in _records(run_dir / "logs" / "metrics.jsonl") if "actor/pg_loss" in r]
+    assert [r["step"] for r in multi] == [1, 2]
     victim = netns_cluster.net.node("node2")
     killed = netns_cluster.net.kill_node(victim)
     t0 = time.monotonic()
@@ -150,6 +150,7 @@ def test_a_killed_node_is_named_and_the_job_resumes_on_the_two_left(netns_cluste
     assert (run_dir / "checkpoints" / "global_step_4" / "manifest.json").exists()
     print(f"job {job_id}: node2 killed ({len(killed)} processes), first run ended {took:.0f} s later; requeued "
           f"{requeued}; then {seen}; resumed on node0 node1 at DP2 and finished")
+    _equal_one_node(tmp_path, multi)
 
 
 def test_a_node_that_never_joins_is_named_within_the_join_timeout(netns_cluster, tmp_path):
