@@ -349,10 +349,10 @@ class VllmEngine:
         self.submit(prompt_ids, params)
         return self.collect()
 
-    def submit(self, prompt_ids: Sequence[torch.Tensor], params: SamplingParams) -> int:
+    def submit(self, prompt_ids: Sequence[torch.Tensor], params: SamplingParams) -> None:
         """Every rank: start generating the replica's responses with the weights the actor holds now, and return
         at once (trainer.async_rollout=one_step: the actor trains while the engine generates); ``collect`` takes
-        them. Returns the weights version that generates them. The engine must hold the actor's current weights
+        them. The engine must hold the actor's current weights
         (StaleWeightsError otherwise): staleness comes only from training while a rollout is in flight."""
         if self.pending is not None:
             raise EngineError(f"{self.name}: a rollout is in flight already (submitted, not collected)")
@@ -372,7 +372,6 @@ class VllmEngine:
                    "heartbeat_s": min(5.0, self.engine_cfg.hang_timeout_s / 3)}
             self._send(msg)
             self.pending = (msg, params)
-        return self.version
 
     def collect(self) -> GenerationOutput | None:
         """The submitted rollout's responses (on the owner; None on the other ranks)."""
