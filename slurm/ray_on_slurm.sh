@@ -41,7 +41,7 @@ MPPO_PREEMPTED=0                  # USR1 arrived
 MPPO_REQUEUE=0                    # teardown requeues the job (after a preemption or a lost node)
 MPPO_EXIT_NODE_LOST=75            # megatron-ppo train's exit code when a node was lost (distributed/group.py)
 
-mppo_log() { echo "${MPPO_LOG_PREFIX} $*" >&2; }
+mppo_log() { echo "${MPPO_LOG_PREFIX} $(date +%T) $*" >&2; }
 mppo_die() { mppo_log "ERROR: $*"; exit 1; }
 
 mppo_setup_env() {
@@ -262,9 +262,15 @@ teardown() {
   fi
   local pid
   for pid in "${MPPO_RAY_STEPS[@]}"; do kill -TERM "${pid}" 2>/dev/null; done
-  for pid in "${MPPO_RAY_STEPS[@]}"; do
-    timeout 20 tail --pid="${pid}" -f /dev/null 2>/dev/null || kill -KILL "${pid}" 2>/dev/null
+  # one deadline for all steps (a dead node's srun may never end on SIGTERM): at most 20 s, then SIGKILL
+  local waited=0 alive
+  while (( waited < 20 )); do
+    alive=0
+    for pid in "${MPPO_RAY_STEPS[@]}"; do kill -0 "${pid}" 2>/dev/null && alive=1; done
+    (( alive )) || break
+    sleep 1; waited=$((waited + 1))
   done
+  for pid in "${MPPO_RAY_STEPS[@]}"; do kill -KILL "${pid}" 2>/dev/null; done
   if [[ -n "${MPPO_RAY_TMP:-}" ]]; then
     local i
     for (( i = 0; i < ${#MPPO_NODES[@]}; i++ )); do

@@ -47,7 +47,10 @@ READ_ON_ANOTHER_PATH = {
         "max_num_seqs": "e.max_num_seqs", "enforce_eager": "e.enforce_eager",
         "weight_transport": "self.engine_cfg.weight_transport", "bucket_mb": "self.engine_cfg.bucket_mb",
         "weights_dir": "engine_cfg.weights_dir", "start_timeout_s": "e.start_timeout_s",
-        "hang_timeout_s": "self.engine_cfg.hang_timeout_s"}.items()},
+        "hang_timeout_s": "self.engine_cfg.hang_timeout_s",
+        "cpu_threads_bind": "e.cpu_threads_bind is not None"}.items()},
+    # read only with trainer.async_rollout=one_step, which needs vLLM: tests/integration/test_ppo_one_step.py
+    "trainer.max_staleness": ("megatron_ppo/trainer/ppo.py", "t.max_staleness < 1"),
 }
 
 COMMON = {"trainer.total_training_steps": 1, "trainer.test_freq": 1, "trainer.val_before_train": "true",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -174,14 +175,18 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(netns_cluster,
             assert time.monotonic() < deadline, f"{netns_cluster.job_state(job_id)}\n{text[-3000:]}"
             time.sleep(0.2)
         while "teardown done (exit " not in (text := out.read_text(errors="replace")):
-            assert time.monotonic() - started < 60, f"the job still runs 60 s after its join wait began\n{text}"
+            # 20 s of join wait, then teardown's bounds (20 s for the Ray steps, 15 s for the cleanup), and slack for
+            # a loaded CI machine (34 s here alone, over 60 s once in CI)
+            assert time.monotonic() - started < 90, f"the job still runs 90 s after its join wait began\n{text}"
             time.sleep(0.2)
         took = time.monotonic() - started
         state = netns_cluster.wait_done(job_id, timeout=150)
     finally:
         netns_cluster.net.link_up(victim)
     assert "Ray cluster incomplete after 20 s: missing: node2" in text, text[-4000:]
-    assert "teardown done (exit 0)" not in text and state in ("FAILED", "NODE_FAIL"), (state, text[-3000:])
+    # the job's record may already have aged out (MinJobAge=2 s in the test cluster): GONE; its exit code is logged
+    assert re.search(r"teardown done \(exit [1-9]", text) and state in ("FAILED", "NODE_FAIL", "GONE"), \
+        (state, text[-3000:])
     assert "driver pid" not in text  # the driver never started
     time.sleep(2)
     assert not processes_naming(f"/tmp/ray-{job_id}-"), [p.cmdline()[:3] for p in processes_naming(f"/tmp/ray-{job_id}-")]
