@@ -1,8 +1,14 @@
 """`megatron-ppo train` stopped by Ctrl-C or SIGTERM mid-run (issue 15, with issue 13's preemption semantics):
 a short message, no traceback, and no process of the run's tree (Ray's processes included) left alive. Real
-processes, real signals."""
+processes, real signals.
+
+The SIGTERM run also checks the default thread rule (cluster.num_cpus_per_rank: auto): with one Ray rank per role and
+no thread setting, each rank computes with every core of this machine (the roles share the bundle and take turns),
+says so once per role at start-up and records it in layout.json. The old rule (num_cpus_per_rank defaulting to 1)
+ran each rank on one thread whatever the machine had. (It shares this run to save CI a Ray run of its own.)"""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,10 +31,16 @@ REPO = Path(__file__).resolve().parents[2]
     pytest.param(signal.SIGTERM, 0),
 ])
 def test_train_signal_is_short_and_leaves_no_process(tmp_path, sig, code):
+    one_rank_per_role = sig == signal.SIGTERM  # the thread rule's check (the module's docstring)
+    layout = ["cluster.actor.tensor_model_parallel_size=1", "cluster.ref.tensor_model_parallel_size=1",
+              "cluster.n_gpus_per_node=1"] if one_rank_per_role else []
+    env = dict(os.environ)
+    for key in ("RAY_ADDRESS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.pop(key, None)
     proc = subprocess.Popen([sys.executable, "-m", "megatron_ppo.cli", "train", "trainer.total_training_steps=40",
                              "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.log_dir={tmp_path}/l",
-                             f"trainer.default_local_dir={tmp_path}/ckpt"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             f"trainer.default_local_dir={tmp_path}/ckpt", *layout], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     tree = []
     try:
         wait_for_line(proc, "step 1/")  # training runs
@@ -47,3 +59,11 @@ def test_train_signal_is_short_and_leaves_no_process(tmp_path, sig, code):
     while still_alive(tree) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert still_alive(tree) == [], "processes of the run still alive"
+    if one_rank_per_role and len(os.sched_getaffinity(0)) >= 2:  # on one CPU auto and the old rule agree
+        cpus = len(os.sched_getaffinity(0))
+        roles = json.loads((tmp_path / "l" / "layout.json").read_text())["roles"]
+        assert set(roles) == {"actor", "critic", "ref"}
+        assert {role: r["torch_threads"] for role, r in roles.items()} == {role: [cpus] for role in roles}
+        for role in roles:  # one start-up line per role names its threads
+            assert f"{role}: TP=1 x PP=1 x DP=1 = 1 ranks on Ray, {cpus} torch thread(s) per rank" in stderr, \
+                stderr[-3000:]
