@@ -51,6 +51,13 @@ def test_one_step_trains_on_the_previous_weights_rollout_and_resumes_exactly(tmp
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "global_step_2" / "next_batch.pt").is_file()
     assert not (ckpt / "global_step_3" / "next_batch.pt").exists()
+    # the rollout generated ahead carries the generating version's behaviour log-probs and nothing computed from the
+    # models: the old log-probs, the reference's and the critic's values (the targets' baseline) come from the
+    # actor, reference and critic of the step that trains it
+    import torch
+    ahead = torch.load(ckpt / "global_step_2" / "next_batch.pt", weights_only=True)
+    assert set(ahead["tensors"]) == {"rollout_log_probs"}, sorted(ahead["tensors"])
+    assert set(ahead["meta"]["weight_version"]) == {1}, ahead["meta"]["weight_version"]  # step 2 started from v1
     resumed = _train(tmp_path, 3, "trainer.async_rollout=one_step", IS_TOKEN, "trainer.resume_mode=resume_path",
                      f"trainer.resume_from_path={ckpt / 'global_step_2'}", f"trainer.default_local_dir={tmp_path}/c2",
                      logs="logs_resumed")
