@@ -172,6 +172,7 @@ def page(results: dict, args, load: float, png_dir: Path) -> str:
               "The next rollout's lane runs from its submit to its collect: the engine finished somewhere inside it, "
               "and `gen_wait` is the part the training did not hide.", "",
               f"![reward per step](async/rewards.png)", "",
+              "Learning over 30 steps and 3 seeds (sync vs one_step): [async_learning.md](async_learning.md).", "",
               "Rewards per step: " + "; ".join(f"{n}: {', '.join(f'{v:.2f}' for v in r['reward'])}"
                                                 for n, r in results.items()), ""]
     return "\n".join(lines)
