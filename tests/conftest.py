@@ -90,7 +90,10 @@ def pytest_runtest_logreport(report):
         return
     elapsed = time.monotonic() - _SESSION_START[0] if _SESSION_START[0] is not None else 0.0
     if report.when == "call" and report.duration > 60:
-        sys.stderr.write(f"\nSLOW-NOW [{elapsed:.0f} s] {report.nodeid}: {report.duration:.0f} s\n")
+        # a test's own phase timings (record_property), so a slow CI run says where its time went
+        phases = ", ".join(f"{k} {v}" for k, v in report.user_properties)
+        sys.stderr.write(f"\nSLOW-NOW [{elapsed:.0f} s] {report.nodeid}: {report.duration:.0f} s"
+                         f"{f' ({phases})' if phases else ''}\n")
     if not report.failed:
         return
     text = str(report.longrepr or "").strip().splitlines()

@@ -87,7 +87,8 @@ def _equal_one_node(tmp_path: Path, multi: list[dict]) -> None:
 
 
 def test_three_nodes_equal_one_node_then_a_killed_node_is_named_and_the_job_resumes_on_the_two_left(netns_cluster,
-                                                                                                     tmp_path):
+                                                                                                     tmp_path,
+                                                                                                     record_property):
     """The first run has the three nodes (DP3): Ray's head on node0 and a worker from each other node; each TP group
     inside one node, the DP replicas across the three (``_check_placement``); its steps 1-2 equal the same layout run
     on one node (``_equal_one_node``, checked at the end). node2 is killed once the step-2 checkpoint is written: the run's batch
@@ -100,6 +101,13 @@ def test_three_nodes_equal_one_node_then_a_killed_node_is_named_and_the_job_resu
     cluster.nnodes follows the allocation (slurm/ppo_tiny.sh), the run resumes from global_step_2 at DP2 (the
     checkpoint resharded from DP3) and finishes steps 3-4."""
     seen: list = []
+    clock = time.monotonic()
+
+    def phase(name):  # printed on CI's SLOW-NOW line (tests/conftest.py): where a slow run's time went
+        nonlocal clock
+        record_property(name, f"{time.monotonic() - clock:.0f} s")
+        clock = time.monotonic()
+
     job_id, run_dir, out = _submit(netns_cluster, tmp_path, 4, "trainer.save_freq=2")
     manifest = run_dir / "checkpoints" / "global_step_2" / "manifest.json"
     deadline = time.monotonic() + 600
@@ -108,6 +116,7 @@ def test_three_nodes_equal_one_node_then_a_killed_node_is_named_and_the_job_resu
         assert time.monotonic() < deadline, f"no step-2 checkpoint:\n{text[-4000:]}"
         assert netns_cluster.job_state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"), text[-4000:]
         time.sleep(0.5)
+    phase("to_step_2_checkpoint")
     first = json.loads((run_dir / "logs" / "placement.json").read_text())
     _check_placement(first, netns_cluster)
     assert "Ray cluster up: joined: node0 node1 node2" in out.read_text(errors="replace")
@@ -135,8 +144,11 @@ def test_three_nodes_equal_one_node_then_a_killed_node_is_named_and_the_job_resu
 
     try:
         # COMPLETING until node2 is DOWN, then PENDING (Restarts=1), held back 120 s by Slurm: released now, on 2
+        phase("kill_to_teardown")
         requeued = netns_cluster.release_requeued(job_id, out, 180, "NumNodes=2-2", "NumTasks=2", "NumCPUs=4")
+        phase("to_requeued")
         state = netns_cluster.wait_done(job_id, timeout=600, seen=seen)
+        phase("resumed_run")
     finally:
         netns_cluster.restart_node("node2")  # a fresh slurmd: node2 back for the next test
     text = out.read_text(errors="replace")
@@ -151,7 +163,9 @@ def test_three_nodes_equal_one_node_then_a_killed_node_is_named_and_the_job_resu
     assert (run_dir / "checkpoints" / "global_step_4" / "manifest.json").exists()
     print(f"job {job_id}: node2 killed ({len(killed)} processes), first run ended {took:.0f} s later; requeued "
           f"{requeued}; then {seen}; resumed on node0 node1 at DP2 and finished")
+    phase("restart_node2_and_checks")
     _equal_one_node(tmp_path, multi)
+    phase("one_node_reference")
 
 
 def test_a_node_that_never_joins_is_named_within_the_join_timeout(netns_cluster, tmp_path):

@@ -35,9 +35,15 @@ def _wait_for_step(cluster, job_id: str, metrics: Path, out: Path, timeout: floa
         time.sleep(0.5)
 
 
-def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path, record_property):
     root, out = tmp_path / "runs", tmp_path / "job.out"
     start = time.monotonic()
+    clock = [start]
+
+    def phase(name):  # printed on CI's SLOW-NOW line (tests/conftest.py): where a slow run's time went
+        record_property(name, f"{time.monotonic() - clock[0]:.0f} s")
+        clock[0] = time.monotonic()
+
     r = slurm_cluster.run("sbatch", "--parsable", f"--output={out}", f"--export=ALL,MPPO_RUN_ROOT={root}",
                           "slurm/ppo_tiny.sh", f"trainer.total_training_steps={STEPS}",
                           "trainer.val_before_train=false", cwd=REPO)
@@ -45,12 +51,15 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     run_dir = root / f"mppo-tiny-{job_id}"  # keyed by the job id: the requeued run finds it again
     metrics = run_dir / "logs" / "metrics.jsonl"
     _wait_for_step(slurm_cluster, job_id, metrics, out, timeout=400)
+    phase("to_first_step")
     signalled = time.monotonic()
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
 
     requeued = slurm_cluster.release_requeued(job_id, out, timeout=240)
+    phase("usr1_to_requeued")
     seen: list = []
     state = slurm_cluster.wait_done(job_id, timeout=400, seen=seen)
+    phase("resumed_run")
     text = out.read_text(errors="replace")
     assert state in ("COMPLETED", "GONE"), f"{state} {seen}\n{text[-4000:]}"
     assert any(s == "COMPLETED" for s, _ in seen), f"never seen COMPLETED: {seen}\n{text[-3000:]}"
