@@ -262,9 +262,9 @@ teardown() {
   fi
   local pid
   for pid in "${MPPO_RAY_STEPS[@]}"; do kill -TERM "${pid}" 2>/dev/null; done
-  # one deadline for all steps (a dead node's srun may never end on SIGTERM): at most 20 s, then SIGKILL
+  # one deadline for all steps (a dead node's srun may never end on SIGTERM): at most 10 s, then SIGKILL
   local waited=0 alive
-  while (( waited < 20 )); do
+  while (( waited < 10 )); do
     alive=0
     for pid in "${MPPO_RAY_STEPS[@]}"; do kill -0 "${pid}" 2>/dev/null && alive=1; done
     (( alive )) || break

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from cluster import processes_naming
+from cluster import FINAL_STATES, processes_naming
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -126,7 +125,11 @@ def test_three_nodes_equal_one_node_then_a_killed_node_is_named_and_the_job_resu
     killed = netns_cluster.net.kill_node(victim)
     t0 = time.monotonic()
     assert killed
-    while "teardown done (exit " not in (text := out.read_text(errors="replace")):
+    # the run ends by its own teardown, or by Slurm cancelling it DUE TO NODE FAILURE once node2 is declared DOWN
+    # (SlurmdTimeout 30 s), which kills the batch script in the middle of its teardown (node2's srun step does not
+    # end on SIGTERM: its node is gone); Slurm then requeues the job itself
+    while not any(end in (text := out.read_text(errors="replace")) for end in ("teardown done (exit ",
+                                                                               "DUE TO NODE FAILURE")):
         assert time.monotonic() - t0 < 60, f"the run still goes on 60 s after node2 died\n{text[-4000:]}"
         time.sleep(0.2)
     took = time.monotonic() - t0
@@ -188,9 +191,15 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(netns_cluster,
                 started = time.monotonic()
             assert time.monotonic() < deadline, f"{netns_cluster.job_state(job_id)}\n{text[-3000:]}"
             time.sleep(0.2)
+        # the job ends either by its own teardown or, when Slurm has already given up on node2 (a failed srun launch
+        # there; seen after the previous test restarted node2's slurmd), by Slurm cancelling it DUE TO NODE FAILURE,
+        # which kills the batch script before its teardown can say so
         while "teardown done (exit " not in (text := out.read_text(errors="replace")):
-            # 20 s of join wait, then teardown's bounds (20 s for the Ray steps, 15 s for the cleanup), and slack for
-            # a loaded CI machine (34 s here alone, over 60 s once in CI)
+            if netns_cluster.job_state(job_id) in FINAL_STATES:
+                text = out.read_text(errors="replace")
+                break
+            # 20 s of join wait, then teardown's bounds (10 s for the Ray steps, 15 s for the cleanup), and slack for
+            # a loaded CI machine (34 s here alone)
             assert time.monotonic() - started < 90, f"the job still runs 90 s after its join wait began\n{text}"
             time.sleep(0.2)
         took = time.monotonic() - started
@@ -198,8 +207,8 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(netns_cluster,
     finally:
         netns_cluster.net.link_up(victim)
     assert "Ray cluster incomplete after 20 s: missing: node2" in text, text[-4000:]
-    # the job's record may already have aged out (MinJobAge=2 s in the test cluster): GONE; its exit code is logged
-    assert re.search(r"teardown done \(exit [1-9]", text) and state in ("FAILED", "NODE_FAIL", "GONE"), \
+    # the job's record may already have aged out (MinJobAge=2 s in the test cluster): GONE
+    assert "teardown done (exit 0)" not in text and state in ("FAILED", "NODE_FAIL", "CANCELLED", "GONE"), \
         (state, text[-3000:])
     assert "driver pid" not in text  # the driver never started
     time.sleep(2)
