@@ -138,6 +138,13 @@ def rewards_png(runs: dict[str, list[dict]], png: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.2))
     for name, steps in runs.items():
         ax.plot([s["step"] for s in steps], [s["reward/score/mean"] for s in steps], marker="o", label=name)
+    save_reward_plot(fig, ax, png)
+
+
+def save_reward_plot(fig, ax, png: Path) -> None:
+    """Label a reward-per-step plot and write it (also tools/bench_async_learning.py)."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("step")
     ax.set_ylabel("reward/score/mean")
     ax.legend()

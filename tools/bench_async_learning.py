@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
-from bench_async import IS_TOKEN  # noqa: E402
+from bench_async import IS_TOKEN, save_reward_plot  # noqa: E402
 
 VLLM = ("rollout.name=vllm", "actor.model.arch.num_attention_heads=2", "rollout.vllm.cpu_kv_cache_gib=0.25")
 MODES = {"sync": (), "one_step": ("trainer.async_rollout=one_step",) + IS_TOKEN}
@@ -89,12 +89,7 @@ def curves_png(runs: dict, png: Path) -> None:
         n = min(len(r["rewards"]) for r in by_seed.values())
         mean = [statistics.mean(r["rewards"][i] for r in by_seed.values()) for i in range(n)]
         ax.plot(range(1, n + 1), mean, color=colors[mode], linewidth=2, label=f"{mode} (mean of {len(by_seed)} seeds)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward/score/mean")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_reward_plot(fig, ax, png)
 
 
 def page(runs: dict, args, load: float) -> str:
