@@ -84,28 +84,20 @@ def pytest_runtest_setup(item):
 
 def pytest_runtest_teardown(item, nextitem):
     """After a test module's last test: return the heap it freed to the OS. The suite runs hundreds of in-process
-    Megatron tests in this one process; memory it kept would be taken from the subprocess tests that follow
-    (in a full run here the Slurm tests at its end took 2.5x their time alone, with half the CPU time in the kernel;
-    cause not yet confirmed: the SLOW-NOW lines below now print this process's RSS and the memory available)."""
-    if (nextitem is None or nextitem.module is not item.module) and _rss_bytes() > 2 * 2 ** 30:
+    Megatron tests in this one process; memory it kept would be taken from the subprocess tests that follow (in a
+    full run here the Slurm tests at its end took 2.5x their time alone; cause not yet confirmed: the SLOW-NOW lines
+    below print this process's RSS and the memory available)."""
+    import psutil
+
+    if (nextitem is None or nextitem.module is not item.module) and psutil.Process().memory_info().rss > 2 * 2 ** 30:
         from megatron_ppo.models.heap import release_free_heap
 
         release_free_heap()  # ~0.2 s: only when this process holds over 2 GiB
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _memory_note() -> str:
-    try:
-        import psutil
-    except ImportError:
-        return ""
+    import psutil
+
     gib = 2 ** 30
     return (f"; pytest RSS {psutil.Process().memory_info().rss / gib:.1f} GiB, available "
             f"{psutil.virtual_memory().available / gib:.1f} GiB")

@@ -26,6 +26,19 @@ def ray_processes(job_id: str) -> list:
     return processes_naming(f"/tmp/ray-{job_id}-")
 
 
+def phase_recorder(record_property):
+    """``phase(name)`` records the seconds since the previous call (or since this one) as a test property: CI's
+    SLOW-NOW line (tests/conftest.py) prints them, so a slow run says where its time went."""
+    clock = [time.monotonic()]
+
+    def phase(name: str) -> None:
+        now = time.monotonic()
+        record_property(name, f"{now - clock[0]:.0f} s")
+        clock[0] = now
+
+    return phase
+
+
 def processes_naming(text: str) -> list:
     """Live processes with ``text`` in one of their command-line arguments."""
     import psutil

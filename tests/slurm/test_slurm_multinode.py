@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import FINAL_STATES, processes_naming
+from cluster import FINAL_STATES, phase_recorder, processes_naming
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -100,13 +100,7 @@ def test_three_nodes_equal_one_node_then_a_killed_node_is_named_and_the_job_resu
     cluster.nnodes follows the allocation (slurm/ppo_tiny.sh), the run resumes from global_step_2 at DP2 (the
     checkpoint resharded from DP3) and finishes steps 3-4."""
     seen: list = []
-    clock = time.monotonic()
-
-    def phase(name):  # printed on CI's SLOW-NOW line (tests/conftest.py): where a slow run's time went
-        nonlocal clock
-        record_property(name, f"{time.monotonic() - clock:.0f} s")
-        clock = time.monotonic()
-
+    phase = phase_recorder(record_property)
     job_id, run_dir, out = _submit(netns_cluster, tmp_path, 4, "trainer.save_freq=2")
     manifest = run_dir / "checkpoints" / "global_step_2" / "manifest.json"
     deadline = time.monotonic() + 600

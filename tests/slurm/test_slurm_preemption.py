@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import processes_naming, ray_processes
+from cluster import phase_recorder, processes_naming, ray_processes
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -38,11 +38,7 @@ def _wait_for_step(cluster, job_id: str, metrics: Path, out: Path, timeout: floa
 def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path, record_property):
     root, out = tmp_path / "runs", tmp_path / "job.out"
     start = time.monotonic()
-    clock = [start]
-
-    def phase(name):  # printed on CI's SLOW-NOW line (tests/conftest.py): where a slow run's time went
-        record_property(name, f"{time.monotonic() - clock[0]:.0f} s")
-        clock[0] = time.monotonic()
+    phase = phase_recorder(record_property)
 
     r = slurm_cluster.run("sbatch", "--parsable", f"--output={out}", f"--export=ALL,MPPO_RUN_ROOT={root}",
                           "slurm/ppo_tiny.sh", f"trainer.total_training_steps={STEPS}",
