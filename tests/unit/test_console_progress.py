@@ -46,6 +46,22 @@ def test_bar_renders_step_eta_reward_kl_and_step_time():
     assert bar._progress is None
 
 
+def _drain(master: int) -> str:
+    """Everything written to the pty: one read may return only part of it (seen once: only step 1 came back)."""
+    import select
+
+    chunks = []
+    while select.select([master], [], [], 1.0)[0]:
+        try:
+            chunk = os.read(master, 1 << 20)
+        except OSError:  # EIO: the slave side is closed and everything was read
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
+
+
 def test_bar_on_a_real_pseudo_terminal():
     master, slave = os.openpty()
     try:
@@ -57,7 +73,7 @@ def test_bar_on_a_real_pseudo_terminal():
                 bar.show(step, _metrics(step))
             bar.close()
             tty.flush()
-            raw = os.read(master, 1 << 20).decode(errors="replace")
+        raw = _drain(master)
     finally:
         os.close(master)
     assert "\x1b[" in raw and "━" in raw  # drawn and redrawn in place
