@@ -141,6 +141,9 @@ class PPOTrainer:
     def trained_roles(self) -> list[str]:
         return [r.name for r in roles.trained(self.cfg)]
 
+    def enabled_roles(self) -> list[str]:
+        return [r.name for r in roles.enabled(self.cfg)]
+
     def frozen_roles(self) -> list[str]:
         return [r.name for r in roles.enabled(self.cfg) if not r.trainable]
 
@@ -178,6 +181,9 @@ class PPOTrainer:
         start = time.perf_counter()
         driver_rng = capture_rng()  # first: nothing the save does may shift the run's random streams
         tmp = ckpt.begin_save(root, self.step)
+        freed = {role: sum(self.p.groups.get(role).call_all("release_heap")) for role in self.enabled_roles()}
+        log.info("before the save, the ranks gave back free heap (GB): %s",
+                 ", ".join(f"{role} {gb:.2f}" for role, gb in freed.items()))
         for role in self.trained_roles():
             states = self.p.groups.get(role).call_all("save_checkpoint", os.path.join(tmp, role))
             ckpt.write_worker_states(tmp, role, states)

@@ -129,6 +129,18 @@ class RoleWorker(MegatronWorker):
             restore_rng(rank_states[parallel.world_rank()]["rng"])
         return same
 
+    def release_heap(self) -> float:
+        """Return this rank's free heap to the OS (models/heap.py); the GB it gave back. The driver calls it on every
+        role before a checkpoint save, so that one role's save copies do not come on top of the other roles'
+        retained peaks on a shared host (a SmolLM2 run peaked at 23.84 of 24 GB: docs/bench/learning_smollm2.md)."""
+        import psutil
+
+        from megatron_ppo.models.heap import release_free_heap
+
+        before = psutil.Process().memory_info().rss
+        release_free_heap()
+        return max(0.0, (before - psutil.Process().memory_info().rss) / 1e9)
+
     def torch_threads(self) -> int:
         """The intra-op thread count this rank computes with (set from its bundle's CPUs at start-up)."""
         return torch.get_num_threads()

@@ -8,6 +8,7 @@ perf/tokens_per_s). The resumed trainer is built with OTHER constructor argument
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -116,7 +117,7 @@ def straight(data_dir, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [2, 3], ids=["mid-epoch", "epoch-edge"])
-def test_resume_continues_the_uninterrupted_run_bit_exactly(data_dir, tmp_path, straight, stop):
+def test_resume_continues_the_uninterrupted_run_bit_exactly(data_dir, tmp_path, straight, stop, caplog):
     from megatron_ppo.trainer import checkpoint as ckpt
 
     from megatron_ppo.parallel.rng_state import capture_rng
@@ -124,7 +125,11 @@ def test_resume_continues_the_uninterrupted_run_bit_exactly(data_dir, tmp_path, 
     history, weights = straight
     cfg = load_config("tiny_cpu", _overrides(data_dir, tmp_path, **{"trainer.save_freq": stop}))
     rngs = []
-    first, _, _ = _run(cfg, stop, after_fit=lambda trainer: rngs.append(capture_rng()))
+    with caplog.at_level(logging.INFO, logger="megatron_ppo"):
+        first, _, _ = _run(cfg, stop, after_fit=lambda trainer: rngs.append(capture_rng()))
+    # every role's ranks return their free heap before a save, not only the saving role (host memory is shared)
+    released = [r.getMessage() for r in caplog.records if "gave back free heap" in r.getMessage()]
+    assert len(released) == 1 and all(f"{role} " in released[0] for role in ("actor", "critic", "ref")), released
     saved = ckpt.find_resume(cfg.trainer)
     assert saved == str(tmp_path / "ckpt" / f"global_step_{stop}")
     assert (tmp_path / "ckpt" / ckpt.LATEST_FILE).read_text().strip() == str(stop)
