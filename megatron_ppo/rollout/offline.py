@@ -5,7 +5,9 @@ No generation: the stored responses and their `rollout_log_probs` are the behavi
 the old log-probs with the current actor and rollout correction (algorithm.rollout_correction) weights the policy
 loss. Rows are checked against the actor before training: token ids outside the actor's vocabulary, a tokenizer
 fingerprint other than the actor's (stored by TrajectoryWriter), prompts or responses longer than the configured
-lengths are refused with the file and row; nothing is re-tokenised or truncated.
+lengths, a behaviour temperature other than rollout.temperature (the old log-probs are recomputed at
+rollout.temperature, so IS ratios would compare two different distributions) are refused with the file and row;
+nothing is re-tokenised or truncated.
 """
 from __future__ import annotations
 
@@ -15,10 +17,16 @@ from megatron_ppo.data.batch import RolloutBatch
 from megatron_ppo.data.trajectory import TrajectoryDataset, TrajectoryError, tokenizer_fingerprint
 
 def check_rows(items: list[dict], vocab_size: int, fingerprint: str | None, max_prompt_length: int,
-               max_response_length: int) -> None:
-    """Refuse the first row the actor cannot train on, naming its file and row (TrajectoryError)."""
+               max_response_length: int, temperature: float | None = None) -> None:
+    """Refuse the first row the actor cannot train on, naming its file and row (TrajectoryError). ``temperature``
+    (rollout.temperature): a row whose behaviour_policy.temperature differs is refused; rows without one pass."""
     for it in items:
         where = it["source"]
+        stored_t = (it.get("behaviour_policy") or {}).get("temperature")
+        if temperature is not None and stored_t is not None and abs(stored_t - temperature) > 1e-6:
+            raise TrajectoryError(f"{where}: behaviour_policy.temperature is {stored_t:g}, rollout.temperature is "
+                                  f"{temperature:g}; the actor scores the stored tokens at rollout.temperature, so "
+                                  f"set rollout.temperature={stored_t:g} (IS ratios would compare two distributions)")
         stored = it.get("tokenizer")
         if stored is not None and fingerprint is not None and stored != fingerprint:
             raise TrajectoryError(f"{where}: written with tokenizer {stored[:12]}, the actor's is {fingerprint[:12]} "
@@ -38,10 +46,11 @@ def check_rows(items: list[dict], vocab_size: int, fingerprint: str | None, max_
 class OfflineTrajectories:
     """The offline train rows: `len()` rows and `rows(indices)`, so the sampler is the same for both modes."""
 
-    def __init__(self, files, tokenizer, vocab_size: int, max_prompt_length: int, max_response_length: int):
+    def __init__(self, files, tokenizer, vocab_size: int, max_prompt_length: int, max_response_length: int,
+                 temperature: float | None = None):
         self.dataset = TrajectoryDataset(files, tokenizer, empty_response_policy="error")
         check_rows(self.dataset.items, vocab_size, tokenizer_fingerprint(tokenizer), max_prompt_length,
-                   max_response_length)
+                   max_response_length, temperature)
         self.pad_token_id = tokenizer.pad_token_id
 
     def __len__(self) -> int:

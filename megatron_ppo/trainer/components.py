@@ -122,7 +122,7 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
         from megatron_ppo.rollout.offline import OfflineTrajectories
 
         train = OfflineTrajectories(cfg.rollout.trajectory_files, tokenizer, vocab, cfg.data.max_prompt_length,
-                                    cfg.data.max_response_length)
+                                    cfg.data.max_response_length, temperature=cfg.rollout.temperature)
     else:
         train = PromptDataset(cfg.data.train_files, tokenizer, cfg.data.max_prompt_length, policy,
                               cfg.data.prompt_key, cfg.data.train_max_samples)

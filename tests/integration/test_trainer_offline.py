@@ -184,7 +184,7 @@ def test_bad_trajectory_files_are_refused_naming_the_row(tokenizer, tmp_path, re
 
 
 def test_good_file_with_the_writers_tokenizer_is_accepted(tokenizer, tmp_path):
-    from megatron_ppo.data.trajectory import TrajectoryWriter
+    from megatron_ppo.data.trajectory import TrajectoryError, TrajectoryWriter
     from megatron_ppo.rollout.offline import OfflineTrajectories, rollout_batch
 
     writer = TrajectoryWriter(tmp_path / "dump", policy_name="p", temperature=1.0, tokenizer=tokenizer)
@@ -196,6 +196,11 @@ def test_good_file_with_the_writers_tokenizer_is_accepted(tokenizer, tmp_path):
     assert batch.responses.tolist() == [[7, 8, 9]] and batch.meta["stored_reward"] == [None]
     assert batch.tensors["rollout_log_probs"].tolist() == [[-0.5, -0.25, -1.0]]
     assert data.dataset[0]["source"] == f"{path}: row 0"
+    with pytest.raises(TrajectoryError) as err:  # sampled at 1.0: scoring it at 0.7 would skew every IS ratio
+        OfflineTrajectories([path], tokenizer, len(tokenizer), 64, 8, temperature=0.7)
+    assert f"{path}: row 0: behaviour_policy.temperature is 1, rollout.temperature is 0.7" in str(err.value)
+    assert "set rollout.temperature=1" in str(err.value)
+    assert len(OfflineTrajectories([path], tokenizer, len(tokenizer), 64, 8, temperature=1.0)) == 1
 
 
 @pytest.mark.slow
