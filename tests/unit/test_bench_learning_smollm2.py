@@ -1,0 +1,57 @@
+"""The SmolLM2 learning page is built from run records kept beside it (a run is an hour of 2 cores, so seeds come
+from different passes): a record carries what the table shows, and a page lists every kept seed."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import bench_learning_smollm2 as bench  # noqa: E402
+
+
+def _eval(acc: float, length: float) -> dict:
+    return {"accuracy": acc, "accuracy_ci95": [acc - 0.05, acc + 0.05], "format_rate": 1.0,
+            "mean_response_length": length, "n": 256, "seconds": 60.0}
+
+
+def _run_dir(work: Path, name: str, rewards: list[float]) -> None:
+    logs = work / name / "logs"
+    logs.mkdir(parents=True)
+    lines = [json.dumps({"step": i + 1, "reward/score/mean": r, "actor/ppo_kl_k3": 0.001 * (i + 1)})
+             for i, r in enumerate(rewards)]
+    (logs / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_records_of_two_passes_make_one_table_with_every_seed(tmp_path):
+    work, page_dir = tmp_path / "work", tmp_path / "page"
+    _run_dir(work, "arith_s2", [0.1] * 4 + [0.3] * 8 + [0.5] * 4)
+    _run_dir(work, "arith_s1", [0.2] * 16)
+    base = _eval(0.2, 69.0)
+    bench.save_record(page_dir, bench.run_record(work, "arith_s2", 2, base, _eval(0.45, 12.0), 3000.0, 16,
+                                                 {"1-digit + 1-digit": [9, 16]}, {"1-digit + 1-digit": [3, 16]}))
+    earlier = bench.run_record(work, "arith_s1", 1, base, _eval(0.4, 11.0), 2900.0, 16)
+    earlier["source"] = "reconstructed from an older page"
+    bench.save_record(page_dir, earlier)
+
+    runs = bench.load_records(page_dir, "arith_s")
+    assert [r["seed"] for r in runs] == [1, 2]
+    assert runs[1]["reward_ends"] == [0.1, 0.5]  # first and last quarter of 16 steps: 4 values each
+    lines = bench.task_section("Arithmetic", runs, page_dir, "the goal")
+    rows = [line for line in lines if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2
+    assert "0.200 -> 0.450 [0.400, 0.500] | +25.0 pts" in rows[1] and "0.100 -> 0.500" in rows[1]
+    assert "| 69 -> 12 |" in rows[1] and "| 16 | 50.0 |" in rows[1]
+    assert "Seed 1: reconstructed from an older page." in lines
+    table = bench.kind_table([("base", runs[1]["base_kinds"]), ("seed 2", runs[1]["kinds"])])
+    assert "| 1-digit + 1-digit | 3/16 | 9/16 |" in table
+
+
+def test_the_kept_seed_1_record_matches_its_per_kind_counts():
+    """docs/bench/learning_smollm2/arith_s1.json was rebuilt from the page by hand: its counts must add up."""
+    page_dir = Path(__file__).resolve().parents[2] / "docs" / "bench" / "learning_smollm2"
+    r = json.loads((page_dir / "arith_s1.json").read_text())
+    for key, kinds in (("after", r["kinds"]), ("base", r["base_kinds"])):
+        assert sum(n for _, n in kinds.values()) == r[key]["n"]
+        assert abs(sum(c for c, _ in kinds.values()) / r[key]["n"] - r[key]["accuracy"]) < 1e-3
