@@ -6,7 +6,8 @@ largest peak, and a save's own copies of the model and optimizer state (~4.5 GB 
 top of it. On 2 cores and 24 GB a run was killed by Ray's memory monitor at a save (docs/bench/learning_smollm2.md).
 A garbage collection and ``malloc_trim(0)`` (glibc >= 2.8 also releases pages inside the heap, every arena) before
 the save give back what is free then (a SmolLM2 probe, the actor rank: 8.89 -> 4.43 GB), and after it the save's
-copies (4.96 -> 2.82 GB). The save's own peak in a long run is still open (that page).
+copies (4.96 -> 2.82 GB). The driver also has every other role's ranks release before a save
+(RoleWorker.release_heap): on a shared host their retained peaks (the critic's ~4.5 GB) sat under the saving role's.
 
 Why only around saves and not after every call: giving pages back means faulting them in again, and faults are slow
 on these VMs (5 GB of 20 MB tensors: 0.35 s retained vs 6.5-23 s fresh, measured beside a training run); a release
