@@ -122,7 +122,7 @@ def series(run: Path, key: str) -> list[float]:
     return [r[key] for r in records(run) if key in r]
 
 
-EVAL_KEYS = ("accuracy", "accuracy_ci95", "format_rate", "mean_response_length", "n")
+EVAL_KEYS = ("accuracy", "accuracy_ci95", "format_rate", "strict_format_rate", "mean_response_length", "n")
 
 
 def run_record(work: Path, name: str, seed, base: dict, after: dict, wall: float, steps: int,
@@ -132,7 +132,7 @@ def run_record(work: Path, name: str, seed, base: dict, after: dict, wall: float
     run = work / name
     reward, kl = series(run, "reward/score/mean"), series(run, "actor/ppo_kl_k3")
     return {"name": name, "seed": seed, "steps": steps, "wall_s": round(wall, 1),
-            "base": {k: base[k] for k in EVAL_KEYS}, "after": {k: after[k] for k in EVAL_KEYS},
+            "base": {k: base.get(k) for k in EVAL_KEYS}, "after": {k: after.get(k) for k in EVAL_KEYS},
             "reward_ends": ends_pair(reward), "kl_k3_ends": ends_pair(kl), "kinds": kinds,
             "is_weight_ends": ends_pair(series(run, "rollout_corr/rollout_is_mean")),
             "behaviour_kl_ends": ends_pair(series(run, "rollout_corr/kl")),
@@ -176,6 +176,12 @@ def copy_curves(run: Path, page_dir: Path, name: str) -> None:
         shutil.copy2(src, page_dir / f"{name}.png")
 
 
+def strict_cell(before: dict, after: dict) -> str:
+    """' (####: a -> b)' where both evals have the strict (GSM8K '#### n') format rate, else ''."""
+    a, b = before.get("strict_format_rate"), after.get("strict_format_rate")
+    return "" if a is None or b is None else f" (####: {a:.3f} -> {b:.3f})"
+
+
 def task_section(title: str, runs: list[dict], page_dir: Path, goal: str) -> list[str]:
     """A task's table from its run records (every seed kept beside the page), the goal, and each run's curves."""
     base = runs[0]["base"]
@@ -189,7 +195,8 @@ def task_section(title: str, runs: list[dict], page_dir: Path, goal: str) -> lis
         lines.append(
             f"| {r['seed']} | {before['accuracy']:.3f} -> {acc(after)} | "
             f"{100 * (after['accuracy'] - before['accuracy']):+.1f} pts | {before['format_rate']:.3f} -> "
-            f"{after['format_rate']:.3f} | {before['mean_response_length']:.0f} -> {after['mean_response_length']:.0f}"
+            f"{after['format_rate']:.3f}{strict_cell(before, after)} | {before['mean_response_length']:.0f} -> "
+            f"{after['mean_response_length']:.0f}"
             f" | {ends(r['reward_ends'])} | {ends(r['kl_k3_ends'])} | {r['steps']} | {r['wall_s'] / 60:.1f} | "
             f"{r['date']} |")
     lines += [""] + [f"Seed {r['seed']}: {r['source']}." for r in runs if r["source"].startswith("reconstructed")]

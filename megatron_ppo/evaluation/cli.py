@@ -146,7 +146,9 @@ def out_dir(args) -> str:
 # ------------------------------------------------------------------------------------------------ the run
 def response_rows(batch, scored, reward_cfg, first_row: int) -> list[dict]:
     """One record per response: what metrics.summarise and samples.jsonl read. ``correct``: the data_source's
-    own reward reached reward.score (rule / custom rewards); ``formatted``: the GSM8K rule found an answer."""
+    own reward reached reward.score (rule / custom rewards); ``formatted``: the GSM8K rule found an answer;
+    ``strict_formatted``: it is marked "#### <number>" (with reward.method=numeric any number counts as formatted, so
+    this is the format the prompt asks for)."""
     from megatron_ppo.rewards.gsm8k import extract_answer
 
     rows = []
@@ -155,12 +157,12 @@ def response_rows(batch, scored, reward_cfg, first_row: int) -> list[dict]:
         text = scored.texts[i] if scored.texts is not None else None
         task = None if scored.task is None else float(scored.task[i])
         rm = batch.meta["reward_model"][i] or {}
+        gsm8k_rule = text is not None and source == "openai/gsm8k" and reward_cfg.custom_reward_function.path is None
         rows.append({
             "row": first_row + i, "data_source": source, "score": scored.values[i],
             "correct": None if task is None else task >= reward_cfg.score,
-            "formatted": extract_answer(text, reward_cfg.method) is not None
-            if text is not None and source == "openai/gsm8k" and reward_cfg.custom_reward_function.path is None
-            else None,
+            "formatted": extract_answer(text, reward_cfg.method) is not None if gsm8k_rule else None,
+            "strict_formatted": extract_answer(text, "strict") is not None if gsm8k_rule else None,
             "response_length": int(batch.response_lengths[i]),
             "prompt": batch.meta["raw_prompt"][i], "response": text, "ground_truth": rm.get("ground_truth"),
         })
@@ -226,7 +228,8 @@ def run_eval(cfg, role_dir: str | None, batch_size: int | None = None, show=prin
     with open(os.path.join(out, "samples.jsonl"), "w") as f:
         for r in rows if samples < 0 else rows[:samples]:
             f.write(json.dumps({k: r[k] for k in ("row", "data_source", "prompt", "response", "ground_truth",
-                                                  "score", "correct")}, default=str) + "\n")
+                                                  "score", "correct", "formatted", "strict_formatted")},
+                               default=str) + "\n")
     show(format_table(summary))
     return doc
 

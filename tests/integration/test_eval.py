@@ -61,6 +61,10 @@ def test_eval_of_a_checkpoint_equals_train_validation_of_the_same_weights(tmp_pa
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 12 and all(s["response"] is not None for s in samples)  # --samples -1: every response
     assert sum(s["score"] for s in samples) / 12 == pytest.approx(doc["mean_score"])
+    # "#### <number>" marks GSM8K's own answer format; a marked answer is also an answer to reward.method's rule
+    assert all(s["strict_formatted"] is not None and s["strict_formatted"] <= s["formatted"] for s in samples)
+    assert all(s["strict_formatted"] <= ("####" in s["response"]) for s in samples)
+    assert doc["strict_format_rate"] == pytest.approx(sum(s["strict_formatted"] for s in samples) / 12)
     assert "accuracy" in ev.stdout and str(out / "eval.json") in ev.stdout
 
     # the step directory names the same actor, and a checkpoint of the critic is not a policy

@@ -28,8 +28,9 @@ def test_records_of_two_passes_make_one_table_with_every_seed(tmp_path):
     work, page_dir = tmp_path / "work", tmp_path / "page"
     _run_dir(work, "arith_s2", [0.1] * 4 + [0.3] * 8 + [0.5] * 4)
     _run_dir(work, "arith_s1", [0.2] * 16)
-    base = _eval(0.2, 69.0)
-    bench.save_record(page_dir, bench.run_record(work, "arith_s2", 2, base, _eval(0.45, 12.0), 3000.0, 16,
+    base = {**_eval(0.2, 69.0), "strict_format_rate": 0.1}
+    bench.save_record(page_dir, bench.run_record(work, "arith_s2", 2, base, {**_eval(0.45, 12.0),
+                                                                             "strict_format_rate": 0.2}, 3000.0, 16,
                                                  {"1-digit + 1-digit": [9, 16]}, {"1-digit + 1-digit": [3, 16]}))
     earlier = bench.run_record(work, "arith_s1", 1, base, _eval(0.4, 11.0), 2900.0, 16)
     earlier["source"] = "reconstructed from an older page"
@@ -43,6 +44,7 @@ def test_records_of_two_passes_make_one_table_with_every_seed(tmp_path):
     assert len(rows) == 2
     assert "0.200 -> 0.450 [0.400, 0.500] | +25.0 pts" in rows[1] and "0.100 -> 0.500" in rows[1]
     assert "| 69 -> 12 |" in rows[1] and "| 16 | 50.0 |" in rows[1]
+    assert "1.000 -> 1.000 (####: 0.100 -> 0.200) |" in rows[1]  # GSM8K's own format, where the evals have it
     assert "Seed 1: reconstructed from an older page." in lines
     table = bench.kind_table([("base", runs[1]["base_kinds"]), ("seed 2", runs[1]["kinds"])])
     assert "| 1-digit + 1-digit | 3/16 | 9/16 |" in table

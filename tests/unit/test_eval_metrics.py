@@ -26,7 +26,7 @@ def test_wilson_interval_edges():
 
 def _row(source, score, correct, formatted, length=10):
     return {"data_source": source, "score": score, "correct": correct, "formatted": formatted,
-            "response_length": length}
+            "strict_formatted": None if formatted is None else bool(formatted and correct), "response_length": length}
 
 
 def test_summarise_per_source_and_overall():
@@ -35,6 +35,7 @@ def test_summarise_per_source_and_overall():
     s = summarise(rows)
     a, b, overall = s["by_data_source"]["a"], s["by_data_source"]["b"], s["overall"]
     assert a["n"] == 3 and a["accuracy"] == pytest.approx(1 / 3) and a["format_rate"] == pytest.approx(2 / 3)
+    assert a["strict_format_rate"] == pytest.approx(1 / 3) and b["strict_format_rate"] is None
     assert a["mean_response_length"] == pytest.approx(6.0) and a["mean_score"] == pytest.approx(1.1 / 3)
     assert b["accuracy"] is None and b["format_rate"] is None and b["accuracy_ci95"] is None  # a reward model's
     assert overall["n"] == 4 and overall["accuracy"] == pytest.approx(1 / 3)  # judged rows only
