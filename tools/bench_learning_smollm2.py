@@ -11,7 +11,7 @@ Per run: reward, KL, entropy, response length and validation curves (the run's c
 page), the checkpoint of the last step evaluated. Writes docs/bench/learning_smollm2.md (then run
 tools/collect_benchmarks.py). `tools/bench_learning.py --model smollm2 ...` runs this.
 
-    python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 40 --offline-steps 25
+    python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 20 --offline-steps 25
 """
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ ARITH_OVERRIDES = ("data.max_response_length=128",)  # the answer and a short wo
 ARITH_OPTIM = ("data.val_max_samples=64", "trainer.test_freq=10", "actor.optim.lr=2e-5", "actor.ppo_epochs=1",
                "critic.ppo_epochs=1", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4")
 ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.train_batch_size=8")
+# GSM8K, scaled like the arithmetic runs (NOT yet run: the step time, ~2-2.5 min, is an estimate from the 135M step of
+# docs/bench/rollout.md): 4 prompts x 4 responses at temperature 0.7 up to the recipe's 256 tokens, one PPO epoch in
+# mini-batches of 2 prompts, actor lr 1e-5 (half the arithmetic lr: responses are ~3x longer), validation on 64
+# test questions every 10 steps (the base model: 3.1% on the first 64, responses ~218 tokens, 128 s for 64 greedy)
+GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=10", "actor.optim.lr=1e-5", "actor.ppo_epochs=1",
+               "critic.ppo_epochs=1", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
+               "rollout.temperature=0.7", "rollout.n=4", "data.train_batch_size=4")
 # offline: the dumping run samples as ARITH_TRAIN does (8 prompts x 4 at temperature 0.7: 32 rows a step, rewards of
 # mixed quality) with an actor that never changes (critic_warmup); the offline runs take those 32 rows a step, in
 # mini-batches of 16 rows (ARITH_TRAIN's 4 prompts x 4), at ARITH_OPTIM's lr and epochs, and score the stored tokens at
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--arith-steps", type=int, default=40, help="~71 s a step on 2 cores (seed 1: 40 steps, 5 "
                    "validations, 50.6 min)")
-    p.add_argument("--gsm8k-steps", type=int, default=40)
+    p.add_argument("--gsm8k-steps", type=int, default=20, help="~2-2.5 min a step on 2 cores (an estimate)")
     p.add_argument("--offline-steps", type=int, default=25, help="0: skip the offline runs")
     p.add_argument("--tasks", nargs="+", default=["arithmetic", "gsm8k"], choices=["arithmetic", "gsm8k"])
     p.add_argument("--gsm8k-full", action="store_true", help="also evaluate the base on all 1,319 test questions")
@@ -298,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         for seed in args.seeds:
             name = f"gsm8k_s{seed}"
             actor, wall = train(work, name, args.gsm8k_steps, f"trainer.seed={seed}", f"data.seed={seed}",
-                                reuse=args.reuse)
+                                *GSM8K_TRAIN, reuse=args.reuse)
             after = evaluate(work, name, actor, GSM8K / "test.parquet", SUBSET, reuse=args.reuse)
             save_record(page_dir, run_record(work, name, seed, base, after, wall, args.gsm8k_steps, None))
             copy_curves(work / name, page_dir, name)
@@ -347,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     if pending:
         sections += ["", "**Not in this page's command, still to run:** " + "; ".join(pending) + ". The full "
                      "benchmark (several hours on 2 cores):", "",
-                     "    python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 40 "
+                     "    python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 20 "
                      "--offline-steps 25"]
     lines = ["# Learning on a real pretrained model: SmolLM2-135M-Instruct, accuracy before and after PPO (issue 26)",
              "", "Produced by `tools/bench_learning_smollm2.py` (`tools/bench_learning.py --model smollm2`): "

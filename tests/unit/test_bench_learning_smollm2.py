@@ -57,3 +57,17 @@ def test_the_kept_seed_1_record_matches_its_per_kind_counts():
     for key, kinds in (("after", r["kinds"]), ("base", r["base_kinds"])):
         assert sum(n for _, n in kinds.values()) == r[key]["n"]
         assert abs(sum(c for c, _ in kinds.values()) / r[key]["n"] - r[key]["accuracy"]) < 1e-3
+
+
+def test_every_run_setting_is_a_valid_override_of_the_recipe(tmp_path):
+    """A misspelt key or a refused combination fails here, not an hour into a benchmark."""
+    from megatron_ppo.config import load_config
+
+    for overrides in (bench.ARITH_TRAIN, bench.GSM8K_TRAIN):
+        cfg = load_config("smollm2_gsm8k", list(overrides))
+        assert cfg.rollout.n == 4 and cfg.rollout.temperature == 0.7
+    offline = [*bench.OFFLINE_TRAIN, "rollout.mode=offline", f"rollout.trajectory_files=[{tmp_path}]",
+               "data.train_files=[]"]
+    for _, extra in bench.OFFLINE:
+        cfg = load_config("smollm2_gsm8k", [*offline, *extra])
+        assert cfg.rollout.n == 1 and cfg.data.train_batch_size == 32
