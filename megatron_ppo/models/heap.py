@@ -7,7 +7,9 @@ top of it. On 2 cores and 24 GB a run was killed by Ray's memory monitor at a sa
 A garbage collection and ``malloc_trim(0)`` (glibc >= 2.8 also releases pages inside the heap, every arena) before
 the save give back what is free then (a SmolLM2 probe, the actor rank: 8.89 -> 4.43 GB), and after it the save's
 copies (4.96 -> 2.82 GB). The driver also has every other role's ranks release before a save
-(RoleWorker.release_heap): on a shared host their retained peaks (the critic's ~4.5 GB) sat under the saving role's.
+(RoleWorker.release_heap): on a shared host their retained peaks sat under the saving role's. Measured on the same
+40-step SmolLM2 run (seed 2): the ranks gave back actor 3.65, critic 3.41, ref 0.64 GB, and the machine peaked at
+14.8 GB during the save, against 23.84 GB for seed 1's save without the other roles' release.
 
 Why only around saves and not after every call: giving pages back means faulting them in again, and faults are slow
 on these VMs (5 GB of 20 MB tensors: 0.35 s retained vs 6.5-23 s fresh, measured beside a training run); a release
