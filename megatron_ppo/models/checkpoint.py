@@ -50,6 +50,7 @@ def save_checkpoint(model, directory: str, optimizer=None) -> None:
     _barrier()
     state = {"model": core.sharded_state_dict()}
     if optimizer is not None:
+        _init_empty_adam_state(optimizer)  # never stepped (a save inside critic_warmup): Megatron asserts a step
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=OPTIMIZER_METADATA)
     release_free_heap()  # the save's copies start from the live state, not on top of the rank's last peak (heap.py)
     try:
@@ -119,11 +120,13 @@ def load_checkpoint(model, directory: str, optimizer=None) -> dict:
 
 
 def _init_empty_adam_state(optimizer) -> None:
-    """Give a fresh optimizer (no step taken) zero Adam state, which the load then overwrites in place.
+    """Give a fresh optimizer (no step taken) zero Adam state: before a load, which then overwrites it in place, and
+    before a save of an optimizer that never stepped (the actor during trainer.critic_warmup).
 
     Megatron's distributed optimizer builds its sharded state dict from the existing state and asserts one common
     ``step`` (without Apex/TE): a never-stepped optimizer has none. A dummy optimizer step would do it but would
-    also move the weights; zeros and step 0 are exactly a fresh Adam's state."""
+    also move the weights; zeros and step 0 are exactly a fresh Adam's state (torch Adam's first step from them
+    equals its first step from no state). Parameters that already have state are left alone."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if inner is None:

@@ -153,6 +153,26 @@ def test_resume_continues_the_uninterrupted_run_bit_exactly(data_dir, tmp_path, 
 
 
 @pytest.mark.slow
+def test_a_save_inside_critic_warmup_resumes_bit_exactly(data_dir, tmp_path):
+    """The actor's optimizer has never stepped at a save inside trainer.critic_warmup (megatron-core asserted on
+    its missing Adam step: a SmolLM2 dumping run died at its only save); the saved state is a fresh Adam's, and the
+    run resumed from it equals the uninterrupted one, actor updates after the warmup included."""
+    from megatron_ppo.trainer import checkpoint as ckpt
+
+    warm = {"trainer.critic_warmup": 2}
+    _, history, weights = _run(load_config("tiny_cpu", _overrides(data_dir, tmp_path / "straight", **warm)), TOTAL)
+    cfg = load_config("tiny_cpu", _overrides(data_dir, tmp_path, **warm, **{"trainer.save_freq": 2}))
+    _run(cfg, 2)
+    saved = ckpt.find_resume(cfg.trainer)
+    assert saved == str(tmp_path / "ckpt" / "global_step_2")
+    _, tail, resumed_weights = _run(cfg, TOTAL, resume=saved)
+    assert "actor/pg_loss" not in history[1] and "actor/pg_loss" in history[2]  # steps 1-2 warm the critic only
+    for expected, got in zip(history[2:], tail):
+        assert _comparable(got) == _comparable(expected)
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
+
+
+@pytest.mark.slow
 def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(data_dir, tmp_path, monkeypatch):
     """The save of step 2 dies after the model shards are written (before the driver state): global_step_1 stays
     the one resume_mode=auto picks, and resuming from it works; the next save removes the leftover."""
