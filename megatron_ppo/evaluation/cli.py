@@ -108,6 +108,10 @@ def eval_config(args):
     data["critic"]["enable"] = None
     data["algorithm"]["adv_estimator"] = "grpo"
     data["rollout"]["n"] = max(2, data["rollout"]["n"])
+    # eval generates: a checkpoint of an offline run (rollout.mode=offline) is evaluated online like any other
+    data["rollout"].update(mode="online", trajectory_files=[])
+    if not data["data"]["train_files"]:  # (an offline run has none; eval reads only --data, the check wants one)
+        data["data"]["train_files"] = list(args.data)
     data["trainer"]["critic_warmup"] = 0
     data["actor"]["use_kl_loss"] = False
     data["algorithm"]["use_kl_in_reward"] = False

@@ -158,3 +158,25 @@ def test_smollm2_recipe_runs_a_step_and_its_checkpoint_evaluates(tmp_path):
     assert ev.returncode == 0, ev.stderr[-3000:]
     doc = json.loads((out / "eval.json").read_text())
     assert doc["prompts"] == 2 and doc["model"].rstrip("/").endswith("global_step_1/actor")  # what was evaluated
+
+
+def test_a_checkpoint_of_an_offline_run_is_evaluated_online(tmp_path):
+    """An offline run's checkpoint carries rollout.mode=offline and no train files; eval generates, so it runs
+    online (the SmolLM2 offline benchmark's eval was refused: rollout.n must be 1 with rollout.mode=offline)."""
+    from megatron_ppo.config import load_config
+    from megatron_ppo.config.load import to_yaml
+    from megatron_ppo.evaluation.cli import _parser, eval_config
+    from megatron_ppo.models.checkpoint import META_FILE
+    from megatron_ppo.trainer.checkpoint import RUN_CONFIG
+
+    run = load_config("tiny_cpu", ["rollout.mode=offline", f"rollout.trajectory_files=[{tmp_path}]",
+                                   "data.train_files=[]"])
+    step = tmp_path / "global_step_3"
+    (step / "actor").mkdir(parents=True)
+    (step / "actor" / META_FILE).write_text(json.dumps({"role": "actor"}))
+    (step / RUN_CONFIG).write_text(to_yaml(run))
+    test = tmp_path / "test.parquet"
+    cfg, role_dir = eval_config(_parser().parse_args(["--model", str(step / "actor"), "--data", str(test)]))
+    assert role_dir == str(step / "actor")
+    assert cfg.rollout.mode == "online" and not cfg.rollout.trajectory_files
+    assert list(cfg.data.val_files) == [str(test)]
