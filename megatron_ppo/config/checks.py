@@ -448,6 +448,8 @@ def _cluster(cfg: PPOConfig, errs: _Errors) -> None:
     errs.check(c.num_gpus_per_rank is None or c.num_gpus_per_rank >= 0, "cluster.num_gpus_per_rank",
                f"must be >= 0 or null, got {c.num_gpus_per_rank}")
     errs.positive("cluster.collective_timeout_s", c.collective_timeout_s)
+    errs.check(0 <= c.release_heap_below_available < 1, "cluster.release_heap_below_available",
+               f"must be a fraction in [0, 1) (0: never), got {c.release_heap_below_available}")
     from megatron_ppo import roles
 
     for role in roles.NAMES:

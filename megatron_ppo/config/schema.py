@@ -421,6 +421,10 @@ class ClusterConfig:
     num_gpus_per_rank: Optional[float] = field(None, "GPUs in one rank's bundle; null: 1 on cuda, 0 on cpu", None)
     collective_timeout_s: float = field(120.0, "torch.distributed timeout: the backstop for a rank that never joins "
                                         "a collective (a dead rank is detected at once)", None)
+    release_heap_below_available: float = field(
+        0.25, "launcher=ray: after each call a rank gives its free heap back to the OS (malloc_trim) when its host's "
+        "available memory is under this fraction of the total (the roles on a host take turns, and each otherwise "
+        "keeps its largest peak between calls: models/heap.py); 0: never", None)
     actor: ParallelConfig = field(ParallelConfig, "")
     critic: ParallelConfig = field(ParallelConfig, "")
     ref: ParallelConfig = field(ParallelConfig, "")

@@ -42,6 +42,8 @@ class RankActor:
     def __init__(self, role: str, rank: int, coords: tuple[int, int, int]):
         self.role, self.rank, self.coords = role, rank, RankCoords(*coords)
         self.worker = None
+        self.release_below = 0.0  # cluster.release_heap_below_available, set by setup
+        self.heap_releases = 0
 
     def __repr__(self) -> str:  # Ray's prefix of this actor's log lines
         return f"{self.role}[{self.coords}]"
@@ -51,7 +53,8 @@ class RankActor:
 
         return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
                 "resources": ray.get_runtime_context().get_assigned_resources(),
-                "placement_group": ray.get_runtime_context().get_placement_group_id()}
+                "placement_group": ray.get_runtime_context().get_placement_group_id(),
+                "heap_releases": self.heap_releases}
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -59,7 +62,8 @@ class RankActor:
             return s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int, layout: tuple[int, int, int], seed: int,
-              timeout_minutes: float, threads: int, worker_cls, worker_kwargs: dict) -> dict:
+              timeout_minutes: float, threads: int, worker_cls, worker_kwargs: dict,
+              release_heap_below_available: float = 0.0) -> dict:
         import torch
 
         from megatron_ppo import console
@@ -77,6 +81,7 @@ class RankActor:
             raise RuntimeError(f"{self!r} rank {self.rank}: megatron parallel_state placed this rank at ({got}), "
                                f"the layout expected ({self.coords})")
         self.worker = resolve_worker_class(worker_cls)(**worker_kwargs)
+        self.release_below = release_heap_below_available
         return {"threads": torch.get_num_threads()}
 
     def call(self, _mppo_method: str, _mppo_return: bool, *args, **kwargs) -> tuple[Any, float]:
@@ -84,7 +89,23 @@ class RankActor:
         the driver's wall time of the call minus this is the dispatch cost (serialisation, RPC, gather)."""
         start = time.perf_counter()
         result = getattr(self.worker, _mppo_method)(*args, **kwargs)
-        return (to_host(result) if _mppo_return else None), time.perf_counter() - start  # never a GPU tensor
+        result = to_host(result) if _mppo_return else None  # never a GPU tensor
+        self._release_heap_if_host_short(_mppo_method)
+        return result, time.perf_counter() - start
+
+    def _release_heap_if_host_short(self, method: str) -> None:
+        """After a call, give this rank's free heap back when the host is short of memory (models/heap.py)."""
+        from megatron_ppo.models.heap import release_if_host_short
+
+        seen = release_if_host_short(self.release_below)
+        if seen is None:
+            return
+        self.heap_releases += 1
+        if self.heap_releases == 1 or self.heap_releases % 100 == 0:
+            logger.warning("%r: after %s the host had %.0f %% of its memory available (under "
+                           "cluster.release_heap_below_available=%g): this rank gave back its free heap (release %d; "
+                           "each costs page faults when the memory is touched again)", self, method, 100 * seen,
+                           self.release_below, self.heap_releases)
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -97,7 +118,7 @@ class RayWorkerGroup(WorkerGroup):
     def __init__(self, role: str, layout: RankLayout, placement: RolePlacement, worker_cls,
                  worker_kwargs: dict | None = None, *, seed: int = 1234, collective_timeout_s: float = 120.0,
                  setup_timeout_s: float = 600.0, call_timeout_s: float | None = None, grace_s: float = 1.0,
-                 kill_timeout_s: float = 20.0):
+                 kill_timeout_s: float = 20.0, release_heap_below_available: float = 0.0):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -136,7 +157,8 @@ class RayWorkerGroup(WorkerGroup):
             kwargs_ref = ray.put(dict(worker_kwargs or {}))
             cls_ref = ray.put(worker_cls)
             setup = [a.setup.remote(master_addr, master_port, (layout.tp, layout.pp, layout.dp), seed,
-                                    collective_timeout_s / 60.0, placement.threads, cls_ref, kwargs_ref)
+                                    collective_timeout_s / 60.0, placement.threads, cls_ref, kwargs_ref,
+                                    release_heap_below_available)
                      for a in self.actors]
             self.threads = [info["threads"] for info in self._wait(setup, "setup", setup_timeout_s)]
         except BaseException:

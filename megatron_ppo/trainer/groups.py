@@ -133,7 +133,8 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
         for role, layout in layouts(cfg).items():
             extra = {"total_steps": total_steps} if roles.spec(role).trainable else {}
             out.groups[role] = RayWorkerGroup(role, layout, placement.roles[role], classes[role], {**kwargs, **extra},
-                                              seed=cfg.trainer.seed, collective_timeout_s=cfg.cluster.collective_timeout_s)
+                                              seed=cfg.trainer.seed, collective_timeout_s=cfg.cluster.collective_timeout_s,
+                                              release_heap_below_available=cfg.cluster.release_heap_below_available)
             out.groups[role].rank_table = table  # a lost node is named with every role's ranks on it
             rp, threads = placement.roles[role], sorted(set(out.groups[role].threads))
             log.info("%s: %s on Ray, %s torch thread(s) per rank (bundle of %g CPUs%s), up in %.1f s", role, layout,

@@ -209,7 +209,8 @@ def test_colocated_roles_share_bundles_and_kill9_fails_fast(ray_cluster):
         assert [ray.available_resources().get(key, 0.0) for key in free] == [0.5, 0.5]  # actor rank r: half of r
         critic = RayWorkerGroup("critic", layouts["critic"], plan.roles["critic"],
                                 "megatron_ppo.workers.megatron_worker:MegatronWorker",
-                                {"role": "critic", "arch": tiny_arch()}, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+                                {"role": "critic", "arch": tiny_arch()}, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+                                release_heap_below_available=0.999)  # the host is always "short": every call releases
         assert [ray.available_resources().get(key, 0.0) for key in free] == [0.0, 0.0]  # critic: the other halves
         for group in (actor, critic):
             infos = ray.get([a.info.remote() for a in group.actors])
@@ -219,6 +220,11 @@ def test_colocated_roles_share_bundles_and_kill9_fails_fast(ray_cluster):
         shards = [[{"input_ids": ids, "cu_seqlens": cu}], [{"input_ids": ids[:, :5], "cu_seqlens": cu[:2]}]]
         values = critic.call_dp("forward", shards, critic_output)
         assert [v[0]["values"].shape[0] for v in values] == [12, 5]
+        # cluster.release_heap_below_available: a rank gives back its free heap after a call when its host is short
+        # (the critic's threshold above), and never at 0 (the actor's, RayWorkerGroup's default)
+        assert [i["heap_releases"] for i in ray.get([a.info.remote() for a in critic.actors])] == [1, 1]
+        actor.call_all("where")
+        assert [i["heap_releases"] for i in ray.get([a.info.remote() for a in actor.actors])] == [0, 0]
 
         pids = actor.pids()
         victim = 1

@@ -70,3 +70,28 @@ def test_a_checkpoint_save_gives_the_last_peak_back(tmp_path):
     assert (tmp_path / "actor").is_dir()
     # measured: 927 -> 411 MB; without the garbage collection 967 -> 711; without the release 927 -> 931
     assert held - after > 400e6, f"RSS {held / 1e6:.0f} MB before the save, {after / 1e6:.0f} MB after"
+
+
+def _meminfo(tmp_path, available_kb: int, total_kb: int = 1_000_000) -> str:
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal:       {total_kb} kB\nMemFree:          1000 kB\nMemAvailable:   {available_kb} kB\n")
+    return str(path)
+
+
+def test_host_available_fraction_reads_meminfo(tmp_path):
+    assert heap.host_available_fraction(_meminfo(tmp_path, 250_000)) == pytest.approx(0.25)
+    assert heap.host_available_fraction(str(tmp_path / "missing")) is None
+    (tmp_path / "odd").write_text("MemTotal: 10 kB\n")  # no MemAvailable (kernels before 3.14)
+    assert heap.host_available_fraction(str(tmp_path / "odd")) is None
+
+
+def test_release_only_when_the_host_is_short(tmp_path, monkeypatch):
+    released = []
+    monkeypatch.setattr(heap, "release_free_heap", lambda: released.append(1) or True)
+    assert heap.release_if_host_short(0.25, _meminfo(tmp_path, 300_000)) is None  # 30 % available: keep the heap
+    assert released == []
+    assert heap.release_if_host_short(0.25, _meminfo(tmp_path, 200_000)) == pytest.approx(0.2)  # short: release
+    assert released == [1]
+    assert heap.release_if_host_short(0.0, _meminfo(tmp_path, 1_000)) is None  # 0: never
+    assert heap.release_if_host_short(0.25, str(tmp_path / "missing")) is None  # unknown: never
+    assert released == [1]
