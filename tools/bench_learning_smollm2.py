@@ -11,7 +11,7 @@ Per run: reward, KL, entropy, response length and validation curves (the run's c
 page), the checkpoint of the last step evaluated. Writes docs/bench/learning_smollm2.md (then run
 tools/collect_benchmarks.py). `tools/bench_learning.py --model smollm2 ...` runs this.
 
-    python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 20 --offline-steps 25
+    python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 20 --offline-steps 25 --gsm8k-full
 """
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ GSM8K_EVAL = ("reward.method=numeric", "reward.format_score=0.0")
 # the dump's temperature (offline refuses another: rollout/offline.py)
 OFFLINE_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "data.train_batch_size=32", "actor.ppo_mini_batch_size=16",
                  "critic.ppo_mini_batch_size=16")
+FULL_COMMAND = ("python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 20 "
+                "--offline-steps 25 --gsm8k-full")
 NOTES_MARK = "<!-- notes: written by people, kept when this tool rewrites the page -->"
 OFFLINE = (("token_is", ("algorithm.rollout_correction.rollout_is=token",
                          "algorithm.rollout_correction.rollout_is_threshold=2.0")), ("no_is", ()))
@@ -360,16 +362,16 @@ def main(argv: list[str] | None = None) -> None:
         ("the GSM8K runs", not gsm8k_runs),
         ("the offline runs (token-level IS vs none)", len(offline_runs) < len(OFFLINE))) if missing]
     if pending:
-        sections += ["", "**Not in this page's command, still to run:** " + "; ".join(pending) + ". The full "
-                     "benchmark (several hours on 2 cores):", "",
-                     "    python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 20 "
-                     "--offline-steps 25"]
+        sections += ["", "**Not on this page yet, still to run:** " + "; ".join(pending) + "."]
     lines = ["# Learning on a real pretrained model: SmolLM2-135M-Instruct, accuracy before and after PPO (issue 26)",
              "", "Produced by `tools/bench_learning_smollm2.py` (`tools/bench_learning.py --model smollm2`): "
              "configs/smollm2_gsm8k.yaml (actor, reference and critic from SmolLM2-135M-Instruct; GAE; Ray, one rank "
              "per role with both cores' threads), accuracy by `megatron-ppo eval` (greedy, the checkpoint of the "
              "last step) on held-out test questions; intervals are 95% Wilson intervals over the questions.", "",
-             f"Command: `python tools/bench_learning_smollm2.py {' '.join(argv or sys.argv[1:])}`", "",
+             f"The whole benchmark is one command (~6 hours on 2 cores): `{FULL_COMMAND}`. Each run keeps its row "
+             "as a record beside the page (learning_smollm2/<run>.json), so passes with `--reuse` that run some of "
+             "it (other seeds, other sessions) add to one page; this page's last pass: "
+             f"`python tools/bench_learning_smollm2.py {' '.join(argv or sys.argv[1:])}`.", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores (load average {load:.1f} at the start); "
              f"{datetime.date.today()}.", *sections]
     page = REPO / args.out
