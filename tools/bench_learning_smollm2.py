@@ -155,6 +155,18 @@ def run_record(work: Path, name: str, seed, base: dict, after: dict, wall: float
             "base_kinds": base_kinds, "date": str(datetime.date.today()), "source": f"tools/bench_learning_smollm2.py, run dir {run}"}
 
 
+def strict_accuracy(work: Path, eval_name: str) -> dict:
+    """An eval's accuracy under verl's strict GSM8K rule ("#### N" in the last 300 characters; the rule of verl's GSM8K
+    numbers), rescored from its samples.jsonl: the GSM8K evals score with the numeric rule (GSM8K_EVAL)."""
+    from megatron_ppo.evaluation.metrics import wilson_interval
+    from megatron_ppo.rewards.gsm8k import compute_score
+
+    lines = (work / f"eval_{eval_name}" / "samples.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]
+    right = sum(compute_score(r["response"], r["ground_truth"], mode="strict") >= 1.0 for r in rows)
+    return {"accuracy": right / len(rows), "accuracy_ci95": list(wilson_interval(right, len(rows))), "n": len(rows)}
+
+
 def save_record(page_dir: Path, record: dict) -> dict:
     page_dir.mkdir(parents=True, exist_ok=True)
     (page_dir / f"{record['name']}.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
@@ -219,6 +231,9 @@ def task_section(title: str, runs: list[dict], page_dir: Path, goal: str) -> lis
     lines += [f"{r['seed']}: mean IS weight {ends(r.get('is_weight_ends'))}, KL(behaviour || current) "
               f"{ends(r.get('behaviour_kl_ends'))} (first -> last quarter; rollout_corr/*)." for r in runs
               if r.get("is_weight_ends") or r.get("behaviour_kl_ends")]
+    lines += [f"Seed {r['seed']}, scored by verl's strict rule (\"#### N\", the rule of verl's GSM8K numbers; "
+              f"rescored from the same responses): {acc(r['strict']['base'])} -> {acc(r['strict']['after'])}."
+              for r in runs if r.get("strict")]
     lines += ["", f"Goal: {goal}", ""]
     for r in runs:
         if (page_dir / f"{r['name']}.png").is_file():
@@ -316,20 +331,27 @@ def main(argv: list[str] | None = None) -> None:
             actor, wall = train(work, name, args.gsm8k_steps, f"trainer.seed={seed}", f"data.seed={seed}",
                                 *GSM8K_TRAIN, reuse=args.reuse)
             after = evaluate(work, name, actor, GSM8K / "test.parquet", SUBSET, *GSM8K_EVAL, reuse=args.reuse)
-            save_record(page_dir, run_record(work, name, seed, base, after, wall, args.gsm8k_steps, None))
+            record = run_record(work, name, seed, base, after, wall, args.gsm8k_steps, None)
+            record["strict"] = {"base": strict_accuracy(work, "gsm8k_base"), "after": strict_accuracy(work, name)}
+            save_record(page_dir, record)
             copy_curves(work / name, page_dir, name)
             print(f"{name}: {base['accuracy']:.3f} -> {after['accuracy']:.3f} in {wall / 60:.1f} min", flush=True)
         if args.gsm8k_full:
             full = evaluate(work, "gsm8k_base_full", MODEL, GSM8K / "test.parquet", -1, *GSM8K_EVAL, reuse=args.reuse)
-            save_record(page_dir, {"name": "gsm8k_base_full", "base": {k: full[k] for k in EVAL_KEYS}})
+            save_record(page_dir, {"name": "gsm8k_base_full", "base": {k: full[k] for k in EVAL_KEYS},
+                                   "strict": {"base": strict_accuracy(work, "gsm8k_base_full")}})
     gsm8k_runs = load_records(page_dir, "gsm8k_s")
     if gsm8k_runs:
         sections += task_section(f"GSM8K (train split -> the first {SUBSET} test questions)", gsm8k_runs, page_dir,
                                  "accuracy after >= before (with its interval); the format rate rises (the "
                                  "\"####\" rate: under the numeric rule every base answer already has a number).")
     if (page_dir / "gsm8k_base_full.json").is_file():
-        full = json.loads((page_dir / "gsm8k_base_full.json").read_text())["base"]
-        sections += ["", f"Base model on the full GSM8K test split ({full['n']} questions): accuracy {acc(full)}."]
+        record = json.loads((page_dir / "gsm8k_base_full.json").read_text())
+        full, strict = record["base"], record.get("strict", {}).get("base")
+        sections += ["", f"Base model on the full GSM8K test split ({full['n']} questions, greedy): accuracy "
+                     f"{acc(full)} (numeric rule), format rate {full['format_rate']:.3f}, \"####\" rate "
+                     f"{full['strict_format_rate']:.3f}, mean response length {full['mean_response_length']:.1f}"
+                     + (f"; by verl's strict rule {acc(strict)}." if strict else ".")]
     if args.offline_steps > 0:
         steps = args.offline_steps
         seed = args.seeds[0]

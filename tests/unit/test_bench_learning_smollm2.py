@@ -71,3 +71,17 @@ def test_every_run_setting_is_a_valid_override_of_the_recipe(tmp_path):
     for _, extra in bench.OFFLINE:
         cfg = load_config("smollm2_gsm8k", [*offline, *extra])
         assert cfg.rollout.n == 1 and cfg.data.train_batch_size == 32
+
+
+def test_strict_accuracy_rescores_the_samples_by_verls_rule(tmp_path):
+    """The GSM8K evals score with the numeric rule; the page's strict (verl) accuracy is rescored from the same
+    responses: only a right "#### N" counts."""
+    out = tmp_path / "eval_x"
+    out.mkdir()
+    rows = [("so 18 eggs\n#### 18", "18"), ("the answer is 18", "18"), ("#### 17", "18"), ("#### 1,234", "1234")]
+    out.joinpath("samples.jsonl").write_text("".join(json.dumps({"response": r, "ground_truth": g}) + "\n"
+                                                     for r, g in rows))
+    got = bench.strict_accuracy(tmp_path, "x")
+    assert got["n"] == 4 and got["accuracy"] == 0.5  # rows 0 and 3; row 1 has no "####", row 2 is wrong
+    lo, hi = got["accuracy_ci95"]
+    assert lo < 0.5 < hi
