@@ -327,6 +327,8 @@ RULES = [
     ("verl_spelling", "tiny_cpu", ["actor.grad_clip=1.0"], ["actor.grad_clip", "'actor.optim.clip_grad'"]),
     ("verl_prefix", "tiny_cpu", ["actor_rollout_ref.actor.clip_ratio=0.1"], ["here it is 'actor.clip_ratio'"]),
     ("verl_trainer_nnodes", "tiny_cpu", ["trainer.nnodes=2"], ["'cluster.nnodes'"]),
+    ("heap_release_fraction", "tiny_cpu", ["cluster.release_heap_below_available=1.0"],
+     ["cluster.release_heap_below_available: must be a fraction in [0, 1) (0: never), got 1.0"]),
     ("override_syntax", "tiny_cpu", ["actor.clip_ratio"], ["'actor.clip_ratio'", "dotted.key=value"]),
     ("override_below_a_scalar", "tiny_cpu", ["actor.clip_ratio.low=1"], ["actor.clip_ratio is a float"]),
     ("override_bad_yaml", "tiny_cpu", ["trainer.logger=[console"], ["trainer.logger", "not valid YAML"]),
