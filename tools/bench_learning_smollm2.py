@@ -326,13 +326,14 @@ def main(argv: list[str] | None = None) -> None:
             [("base", arith_runs[0]["base_kinds"])] + [(f"seed {r['seed']}", r["kinds"]) for r in arith_runs])
     if "gsm8k" in args.tasks:
         base = evaluate(work, "gsm8k_base", MODEL, GSM8K / "test.parquet", SUBSET, *GSM8K_EVAL, reuse=args.reuse)
+        base_strict = strict_accuracy(work, "gsm8k_base")
         for seed in args.seeds:
             name = f"gsm8k_s{seed}"
             actor, wall = train(work, name, args.gsm8k_steps, f"trainer.seed={seed}", f"data.seed={seed}",
                                 *GSM8K_TRAIN, reuse=args.reuse)
             after = evaluate(work, name, actor, GSM8K / "test.parquet", SUBSET, *GSM8K_EVAL, reuse=args.reuse)
             record = run_record(work, name, seed, base, after, wall, args.gsm8k_steps, None)
-            record["strict"] = {"base": strict_accuracy(work, "gsm8k_base"), "after": strict_accuracy(work, name)}
+            record["strict"] = {"base": base_strict, "after": strict_accuracy(work, name)}
             save_record(page_dir, record)
             copy_curves(work / name, page_dir, name)
             print(f"{name}: {base['accuracy']:.3f} -> {after['accuracy']:.3f} in {wall / 60:.1f} min", flush=True)
