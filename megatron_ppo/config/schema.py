@@ -423,8 +423,9 @@ class ClusterConfig:
                                         "a collective (a dead rank is detected at once)", None)
     release_heap_below_available: float = field(
         0.25, "launcher=ray: after each call a rank gives its free heap back to the OS (malloc_trim) when its host's "
-        "available memory is under this fraction of the total (the roles on a host take turns, and each otherwise "
-        "keeps its largest peak between calls: models/heap.py); 0: never", None)
+        "available memory, or its cgroup limit's (Slurm --mem, a container) where tighter, is under this fraction of "
+        "the total (the roles on a host take turns, and each otherwise keeps its largest peak between calls: "
+        "models/heap.py); 0: never", None)
     actor: ParallelConfig = field(ParallelConfig, "")
     critic: ParallelConfig = field(ParallelConfig, "")
     ref: ParallelConfig = field(ParallelConfig, "")

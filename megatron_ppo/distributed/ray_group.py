@@ -95,15 +95,15 @@ class RankActor:
 
     def _release_heap_if_host_short(self, method: str) -> None:
         """After a call, give this rank's free heap back when the host is short of memory (models/heap.py)."""
-        from megatron_ppo.models.heap import release_if_host_short
+        from megatron_ppo.models.heap import release_if_memory_short
 
-        seen = release_if_host_short(self.release_below)
+        seen = release_if_memory_short(self.release_below)
         if seen is None:
             return
         self.heap_releases += 1
         if self.heap_releases == 1 or self.heap_releases % 100 == 0:
-            logger.warning("%r: after %s the host had %.0f %% of its memory available (under "
-                           "cluster.release_heap_below_available=%g): this rank gave back its free heap (release %d; "
+            logger.warning("%r: after %s %.0f %% of the memory was available (the host's, or its cgroup limit's; "
+                           "under cluster.release_heap_below_available=%g): this rank gave back its free heap (release %d; "
                            "each costs page faults when the memory is touched again)", self, method, 100 * seen,
                            self.release_below, self.heap_releases)
 

@@ -21,6 +21,8 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+from pathlib import Path
+from typing import Callable
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,31 +46,103 @@ def release_free_heap() -> bool:
     return True
 
 
-def host_available_fraction(meminfo: str = "/proc/meminfo") -> float | None:
-    """MemAvailable / MemTotal of this host (Linux); None where the file or its fields are missing."""
-    fields = {}
+def host_available_fraction() -> float:
+    """MemAvailable / MemTotal of this host (psutil)."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return vm.available / vm.total
+
+
+def _read_int(path: Path) -> int | None:
     try:
-        with open(meminfo) as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                fields[key] = rest.split()[0] if rest.split() else ""
-        return int(fields["MemAvailable"]) / int(fields["MemTotal"])
-    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        text = path.read_text().split()
+        return int(text[0]) if text else None
+    except (OSError, ValueError):  # absent, or cgroup v2's "max"
         return None
 
 
-def release_if_host_short(min_available_fraction: float, meminfo: str = "/proc/meminfo") -> float | None:
-    """Release the free heap (release_free_heap) when the host's available memory is under ``min_available_fraction``
-    of its total; the fraction seen when it released, else None (0 turns it off).
+def _file_pages(stat: Path, keys: tuple[str, str]) -> int:
+    try:
+        fields = dict(line.split()[:2] for line in stat.read_text().splitlines() if len(line.split()) >= 2)
+        return sum(int(fields.get(k, 0)) for k in keys)
+    except (OSError, ValueError):
+        return 0
+
+
+# cgroup v2 (one hierarchy, "0::<path>") and v1 (the memory controller's line): the files of a limit, its usage, and
+# the page-cache counters of memory.stat (hierarchical totals in v1)
+_CGROUP_FILES = {"v2": ("memory.max", "memory.current", ("inactive_file", "active_file")),
+                 "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "total_active_file"))}
+
+
+def cgroup_available_fraction(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup",
+                              host_total: int | None = None) -> float | None:
+    """The tightest memory limit over this process's cgroup and its ancestors, as (limit - used) / limit, with used =
+    usage minus page cache (reclaimable: the measure of Ray's memory monitor); None where no level has a limit below
+    the host's memory.
+
+    Why: under a cgroup limit (Slurm's --mem, a container) the kernel's OOM killer acts at the limit while the host
+    can still look roomy, so the host's fraction alone would never trigger a release."""
+    host_total = host_total or _host_total()
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    tightest = None
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "" and (Path(root) / "cgroup.controllers").is_file():
+            kind, mount = "v2", Path(root)
+        elif "memory" in controllers.split(","):
+            kind, mount = "v1", Path(root) / "memory"
+        else:
+            continue
+        limit_file, usage_file, cache_keys = _CGROUP_FILES[kind]
+        levels = [mount / rel for rel in _ancestors(path)]
+        for level in levels:  # a level outside this mount (a cgroup namespace) is absent and skipped
+            limit, usage = _read_int(level / limit_file), _read_int(level / usage_file)
+            if limit is None or usage is None or limit <= 0 or (host_total and limit >= host_total):
+                continue
+            used = max(0, usage - _file_pages(level / "memory.stat", cache_keys))
+            fraction = max(0.0, (limit - used) / limit)
+            tightest = fraction if tightest is None else min(tightest, fraction)
+    return tightest
+
+
+def _ancestors(path: str) -> list[str]:
+    """'/a/b' -> ['a/b', 'a', ''] (relative to the mount, the process's own cgroup first)."""
+    parts = [p for p in path.strip().split("/") if p]
+    return ["/".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _host_total() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def available_fraction() -> float:
+    """The smaller of the host's available fraction and the tightest cgroup limit's (cgroup_available_fraction)."""
+    host = host_available_fraction()
+    limited = cgroup_available_fraction()
+    return host if limited is None else min(host, limited)
+
+
+def release_if_memory_short(min_available_fraction: float,
+                            measure: Callable[[], float | None] = available_fraction) -> float | None:
+    """Release the free heap (release_free_heap) when the available memory (``measure``: the host's, or a cgroup
+    limit's where that is tighter) is under ``min_available_fraction``; the fraction seen when it released, else None
+    (0 turns it off).
 
     Why: the roles colocated on a host take turns, and each rank keeps its largest peak's heap between its calls (a
     SmolLM2 GSM8K run: actor and critic ~8 GB each, ~3 GB of live state), so the idle roles' retained peaks and the
     busy role's new one add up until the host's OOM killer or Ray's memory monitor kills a rank (a run died at step 12
     at 22.45 of 23.54 GB). Releasing after every call costs page faults every time (the docstring above); releasing
-    only when the host is short costs them only when the alternative is a dead rank."""
+    only when memory is short costs them only when the alternative is a dead rank."""
     if min_available_fraction <= 0:
         return None
-    seen = host_available_fraction(meminfo)
+    seen = measure()
     if seen is None or seen >= min_available_fraction:
         return None
     release_free_heap()
