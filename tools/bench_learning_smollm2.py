@@ -26,6 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sample_memory import MemorySampler, peak_from_csv  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
 GSM8K = REPO / "outputs" / "gsm8k" / "data"
@@ -50,10 +53,14 @@ ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.tra
 # answer (format rate 1.000), so nothing would reward the "####" the prompt asks for (the base writes it 12.5 % of the
 # time). Every GSM8K eval (before and after) scores with the numeric rule (GSM8K_EVAL), so the accuracies compare, and
 # reports the "####" rate beside it; the training curves' validation score is the strict rule's (format 0.1, right 1).
+# A linear length penalty (reward.length_penalty_coef 0.1: minus 0.1 x length / 256) since session 16: the base's
+# greedy responses average 207 of the 256 tokens, and without it seed 2's sampled responses grew into the limit
+# (clipped 0.19 -> 0.88 in 20 steps; a clipped response has no final answer) and its accuracy fell 0.027 -> 0.012.
+# Evals never shape (task term only).
 GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=10", "actor.optim.lr=2e-5", "actor.ppo_epochs=1",
                "critic.ppo_epochs=1", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
                "rollout.temperature=0.7", "rollout.n=4", "data.train_batch_size=4", "reward.method=strict",
-               "reward.format_score=0.1")
+               "reward.format_score=0.1", "reward.length_penalty_coef=0.1")
 GSM8K_EVAL = ("reward.method=numeric", "reward.format_score=0.0")
 # offline: the dumping run samples as ARITH_TRAIN does (8 prompts x 4 at temperature 0.7: 32 rows a step, rewards of
 # mixed quality) with an actor that never changes (critic_warmup); the offline runs take those 32 rows a step, in
@@ -94,9 +101,10 @@ def train(work: Path, name: str, steps: int, *overrides: str, reuse: bool) -> tu
     if reuse and done.is_file() and actor.is_dir():
         return actor, float(done.read_text())
     (work / name).mkdir(parents=True, exist_ok=True)
-    wall = cli(work / name / "train.log", "train", "--config", "smollm2_gsm8k", "trainer.overwrite=true",
-               f"trainer.total_training_steps={steps}", f"trainer.save_freq={steps}", f"trainer.log_dir={logs}",
-               f"trainer.default_local_dir={ckpt}", *overrides)
+    with MemorySampler(work / name / "memory.csv"):  # the machine's used memory every 2 s: the record's peak
+        wall = cli(work / name / "train.log", "train", "--config", "smollm2_gsm8k", "trainer.overwrite=true",
+                   f"trainer.total_training_steps={steps}", f"trainer.save_freq={steps}", f"trainer.log_dir={logs}",
+                   f"trainer.default_local_dir={ckpt}", *overrides)
     done.write_text(f"{wall:.1f}\n")
     return actor, wall
 
@@ -152,7 +160,9 @@ def run_record(work: Path, name: str, seed, base: dict, after: dict, wall: float
             "reward_ends": ends_pair(reward), "kl_k3_ends": ends_pair(kl), "kinds": kinds,
             "is_weight_ends": ends_pair(series(run, "rollout_corr/rollout_is_mean")),
             "behaviour_kl_ends": ends_pair(series(run, "rollout_corr/kl")),
-            "base_kinds": base_kinds, "date": str(datetime.date.today()), "source": f"tools/bench_learning_smollm2.py, run dir {run}"}
+            "base_kinds": base_kinds, "date": str(datetime.date.today()),
+            "machine_peak_gib": peak_from_csv(run / "memory.csv"),
+            "source": f"tools/bench_learning_smollm2.py, run dir {run}"}
 
 
 def strict_accuracy(work: Path, eval_name: str) -> dict:
@@ -234,6 +244,8 @@ def task_section(title: str, runs: list[dict], page_dir: Path, goal: str) -> lis
     lines += [f"Seed {r['seed']}, scored by verl's strict rule (\"#### N\", the rule of verl's GSM8K numbers; "
               f"rescored from the same responses): {acc(r['strict']['base'])} -> {acc(r['strict']['after'])}."
               for r in runs if r.get("strict")]
+    lines += [f"Seed {r['seed']}: the machine peaked at {r['machine_peak_gib']:.1f} GiB used (total - available) "
+              "while it trained (tools/sample_memory.py, every 2 s)." for r in runs if r.get("machine_peak_gib")]
     lines += ["", f"Goal: {goal}", ""]
     for r in runs:
         if (page_dir / f"{r['name']}.png").is_file():

@@ -46,6 +46,7 @@ def test_records_of_two_passes_make_one_table_with_every_seed(tmp_path):
     assert "| 69 -> 12 |" in rows[1] and "| 16 | 50.0 |" in rows[1]
     assert "1.000 -> 1.000 (####: 0.100 -> 0.200) |" in rows[1]  # GSM8K's own format, where the evals have it
     assert "Seed 1: reconstructed from an older page." in lines
+    assert not any("machine peaked" in line for line in lines)  # no memory.csv in these run dirs
     table = bench.kind_table([("base", runs[1]["base_kinds"]), ("seed 2", runs[1]["kinds"])])
     assert "| 1-digit + 1-digit | 3/16 | 9/16 |" in table
 
@@ -85,3 +86,16 @@ def test_strict_accuracy_rescores_the_samples_by_verls_rule(tmp_path):
     assert got["n"] == 4 and got["accuracy"] == 0.5  # rows 0 and 3; row 1 has no "####", row 2 is wrong
     lo, hi = got["accuracy_ci95"]
     assert lo < 0.5 < hi
+
+
+def test_a_runs_memory_samples_give_its_records_peak(tmp_path):
+    work, page_dir = tmp_path / "work", tmp_path / "page"
+    _run_dir(work, "gsm8k_s1", [0.1] * 8)
+    (work / "gsm8k_s1" / "memory.csv").write_text("seconds,used_gib,available_gib\n0.0,5.0,17.0\n2.0,18.51,3.5\n"
+                                                  "4.0,9.0,13.0\n")
+    base = {**_eval(0.03, 207.0), "strict_format_rate": 0.1}
+    bench.save_record(page_dir, bench.run_record(work, "gsm8k_s1", 1, base, base, 2700.0, 20))
+    runs = bench.load_records(page_dir, "gsm8k_s")
+    assert runs[0]["machine_peak_gib"] == 18.51
+    assert ("Seed 1: the machine peaked at 18.5 GiB used (total - available) while it trained "
+            "(tools/sample_memory.py, every 2 s).") in bench.task_section("GSM8K", runs, page_dir, "goal")
