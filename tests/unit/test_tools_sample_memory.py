@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import sample_memory  # noqa: E402
 
-# (no assertion that the peak sees the child's allocation: on this sandbox a process with 413 MB resident moved
-# total - available by only ~0.13 GiB; the sampler reports what the kernel reports)
+# (no assertion that the peak sees a child's allocation: the machine's used memory is every process's, and a training
+# run beside the tests moved it by more than a 400 MiB child did; standalone, that child moved the peak by 0.5 GiB)
 HOLD = "import time; time.sleep(1.5)"
 
 
