@@ -59,6 +59,15 @@ class RoleWorker(MegatronWorker):
             from megatron_ppo.convert.hf_import import hf_import_cache, load_hf_weights
 
             load_hf_weights(self.model, self.ROLE, path, hf_import_cache(cfg))
+            self._reload_main_params()
+
+    def _reload_main_params(self) -> None:
+        """After weights were written into the model outside the optimizer: bf16 / fp16 training keeps fp32 main
+        copies of the parameters, taken when the optimizer was built (the random init), and every step writes them
+        back into the model; without this the first step would turn the loaded model back into the random one
+        (Megatron's ``reload_model_params``; a no-op for fp32 parameters)."""
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -72,6 +81,8 @@ class RoleWorker(MegatronWorker):
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self._reload_main_params()
 
     def save_checkpoint(self, directory: str) -> dict:
         """Write this role's model (+ optimizer) shards into ``directory`` (dist_checkpointing: collective over the
