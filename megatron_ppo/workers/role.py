@@ -54,12 +54,24 @@ class RoleWorker(MegatronWorker):
                          cpu_gemm=cfg.model_for(self.ROLE).cpu_gemm)
         # sequence parallelism splits the packed row over TP: every sequence padded to a multiple of TP
         self.align = parallel.tp_size() if par.sequence_parallel and parallel.tp_size() > 1 else 1
+        if getattr(role_cfg, "value_head_init", "normal") == "zeros":
+            self._zero_value_head()
         path = cfg.model_for(self.ROLE).path
-        if path is not None:
+        if path is not None:  # a reward model's trained score head replaces a zeroed one
             from megatron_ppo.convert.hf_import import hf_import_cache, load_hf_weights
 
             load_hf_weights(self.model, self.ROLE, path, hf_import_cache(cfg))
-            self._reload_main_params()
+        self._reload_main_params()
+
+    def _zero_value_head(self) -> None:
+        """critic.value_head_init=zeros: the fresh value head starts at 0, so the first values are 0 on every token
+        (see the key's description in config/schema.py for why)."""
+        head = getattr(self.model, "output_layer", None) if self.spec.value_model else None
+        if head is None:  # not the last pipeline stage: no head here
+            return
+        with torch.no_grad():
+            for param in head.parameters():
+                param.zero_()
 
     def _reload_main_params(self) -> None:
         """After weights were written into the model outside the optimizer: bf16 / fp16 training keeps fp32 main
