@@ -53,14 +53,12 @@ ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.tra
 # answer (format rate 1.000), so nothing would reward the "####" the prompt asks for (the base writes it 12.5 % of the
 # time). Every GSM8K eval (before and after) scores with the numeric rule (GSM8K_EVAL), so the accuracies compare, and
 # reports the "####" rate beside it; the training curves' validation score is the strict rule's (format 0.1, right 1).
-# A linear length penalty (reward.length_penalty_coef 0.1: minus 0.1 x length / 256) since session 16: the base's
-# greedy responses average 207 of the 256 tokens, and without it seed 2's sampled responses grew into the limit
-# (clipped 0.19 -> 0.88 in 20 steps; a clipped response has no final answer) and its accuracy fell 0.027 -> 0.012.
-# Evals never shape (task term only).
+# Tried in session 16 and dropped: a linear length penalty (reward.length_penalty_coef=0.1) made it worse (seed 1:
+# accuracy 0.027 -> 0.008, "####" rate 0.125 -> 0.012, greedy length 207 -> 249; the page's notes).
 GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=10", "actor.optim.lr=2e-5", "actor.ppo_epochs=1",
                "critic.ppo_epochs=1", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
                "rollout.temperature=0.7", "rollout.n=4", "data.train_batch_size=4", "reward.method=strict",
-               "reward.format_score=0.1", "reward.length_penalty_coef=0.1")
+               "reward.format_score=0.1")
 GSM8K_EVAL = ("reward.method=numeric", "reward.format_score=0.0")
 # offline: the dumping run samples as ARITH_TRAIN does (8 prompts x 4 at temperature 0.7: 32 rows a step, rewards of
 # mixed quality) with an actor that never changes (critic_warmup); the offline runs take those 32 rows a step, in
