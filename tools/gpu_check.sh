@@ -60,7 +60,7 @@ declare -A WHAT=(
   [deps]="megatron-core from the carried wheels"
   [build]="CUDA extension against the device's torch"
   [parity]="ops parity suite on the CUDA kernels (CUDA_LAUNCH_BLOCKING=1), issue 23's edge rows"
-  [models]="tests/integration/test_models_gpu.py (TE vs local spec, varlen THD, generation)"
+  [models]="tests/integration/test_models_gpu.py (TE vs local spec, varlen THD, generation, a bf16 step after an HF load)"
   [sanitizer]="compute-sanitizer memcheck + racecheck on every kernel"
   [nccl]="NCCL world of 2 processes on the one GPU"
   [ppo_step]="bf16 PPO steps, 0.5 B model, actor + critic + ref in one process: step time, tokens/s, MFU"

@@ -104,3 +104,25 @@ def test_cpu_gemm_routing_stays_off_on_gpu(megatron_single, monkeypatch):
     assert not worker.onednn
     MegatronEngine.for_worker(worker).generate(_seqs(512, (9, 5)), SamplingParams(max_response_length=4, greedy=True))
     assert entered == []
+
+
+def test_actor_from_hf_weights_keeps_them_through_a_bf16_step(megatron_single, tmp_path):
+    """The GPU default (model.dtype=auto: bf16): Megatron's bf16 optimizer keeps fp32 main params taken when it was
+    built; the HF load after it must be reloaded into them, or the first step restores the random init (the CPU twin:
+    tests/integration/test_workers_hf_weights.py)."""
+    from megatron_ppo.config import load_config
+    from megatron_ppo.testing.tiny_hf import TINY_VOCAB, make_tiny_hf
+    from megatron_ppo.workers.actor import ActorWorker
+
+    hf_dir = make_tiny_hf("llama", str(tmp_path / "hf"), seed=4)
+    cfg = load_config("tiny_cpu", [f"actor.model.path={hf_dir}", "actor.model.arch=null", "actor.optim.lr=0.0",
+                                   "actor.optim.weight_decay=0.0",
+                                   f"trainer.default_local_dir={tmp_path / 'ckpt'}"])
+    worker = ActorWorker(cfg, TINY_VOCAB)
+    first = next(worker.model.parameters())
+    assert first.dtype == torch.bfloat16 and first.is_cuda
+    loaded = {k: v.detach().clone() for k, v in worker.model.named_parameters()}
+    worker.optimizer.zero_grad()
+    worker.optimizer.step()
+    changed = [k for k, v in worker.model.named_parameters() if not torch.equal(v.detach(), loaded[k])]
+    assert not changed, f"a zero-lr bf16 step changed {len(changed)} of {len(loaded)} tensors: {changed[:3]}"
