@@ -103,9 +103,9 @@ class RankActor:
         self.heap_releases += 1
         if self.heap_releases == 1 or self.heap_releases % 100 == 0:
             logger.warning("%r: after %s %.0f %% of the memory was available (the host's, or its cgroup limit's; "
-                           "under cluster.release_heap_below_available=%g): this rank gave back its free heap (release %d; "
-                           "each costs page faults when the memory is touched again)", self, method, 100 * seen,
-                           self.release_below, self.heap_releases)
+                           "under cluster.release_heap_below_available=%g): this rank gave back its free heap "
+                           "(release %d; each costs page faults when the memory is touched again)", self, method,
+                           100 * seen, self.release_below, self.heap_releases)
 
 
 class RayWorkerGroup(WorkerGroup):

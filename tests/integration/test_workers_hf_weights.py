@@ -18,8 +18,8 @@ def test_bf16_role_from_hf_weights_keeps_them_through_a_step(role, distributed, 
     from megatron_ppo.workers.critic import CriticWorker
 
     hf_dir = make_tiny_hf("llama", str(tmp_path / "hf"), seed=4)
-    cfg = load_config("tiny_cpu", [f"actor.model.path={hf_dir}", "actor.model.arch=null", f"{role}.model.dtype=bfloat16",
-                                   f"{role}.optim.lr=0.0", f"{role}.optim.weight_decay=0.0",
+    cfg = load_config("tiny_cpu", [f"actor.model.path={hf_dir}", "actor.model.arch=null",
+                                   f"{role}.model.dtype=bfloat16", f"{role}.optim.lr=0.0", f"{role}.optim.weight_decay=0.0",
                                    f"trainer.default_local_dir={tmp_path / 'ckpt'}",
                                    f"cluster.{role}.use_distributed_optimizer={str(distributed).lower()}"])
     worker = (ActorWorker if role == "actor" else CriticWorker)(cfg, TINY_VOCAB)
