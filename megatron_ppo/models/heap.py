@@ -46,14 +46,6 @@ def release_free_heap() -> bool:
     return True
 
 
-def host_available_fraction() -> float:
-    """MemAvailable / MemTotal of this host (psutil)."""
-    import psutil
-
-    vm = psutil.virtual_memory()
-    return vm.available / vm.total
-
-
 def _read_int(path: Path) -> int | None:
     try:
         text = path.read_text().split()
@@ -84,7 +76,10 @@ def cgroup_available_fraction(proc_cgroup: str = "/proc/self/cgroup", root: str 
 
     Why: under a cgroup limit (Slurm's --mem, a container) the kernel's OOM killer acts at the limit while the host
     can still look roomy, so the host's fraction alone would never trigger a release."""
-    host_total = host_total or _host_total()
+    if host_total is None:
+        import psutil
+
+        host_total = psutil.virtual_memory().total
     try:
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
@@ -116,16 +111,13 @@ def _ancestors(path: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
 
-def _host_total() -> int:
-    import psutil
-
-    return psutil.virtual_memory().total
-
-
 def available_fraction() -> float:
     """The smaller of the host's available fraction and the tightest cgroup limit's (cgroup_available_fraction)."""
-    host = host_available_fraction()
-    limited = cgroup_available_fraction()
+    import psutil
+
+    vm = psutil.virtual_memory()  # read once: the host's fraction and the total that a cgroup limit is compared with
+    host = vm.available / vm.total
+    limited = cgroup_available_fraction(host_total=vm.total)
     return host if limited is None else min(host, limited)
 
 

@@ -79,13 +79,6 @@ def test_a_checkpoint_save_gives_the_last_peak_back(tmp_path):
     assert held - after > 400e6, f"RSS {held / 1e6:.0f} MB before the save, {after / 1e6:.0f} MB after"
 
 
-def test_host_available_fraction_is_psutils(monkeypatch):
-    import psutil
-
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=250, total=1000))
-    assert heap.host_available_fraction() == pytest.approx(0.25)
-
-
 def _cgroup_v2(tmp_path, levels: dict[str, dict[str, str]], own: str) -> tuple[str, str]:
     """A fake cgroup v2 mount (tmp/cg) with ``levels`` {relative path: {file: text}}, and a /proc/self/cgroup naming
     ``own``."""
@@ -140,10 +133,13 @@ def test_cgroup_v1_memory_controller(tmp_path):
 
 
 def test_available_fraction_takes_the_tighter(monkeypatch):
-    monkeypatch.setattr(heap, "host_available_fraction", lambda: 0.6)
-    monkeypatch.setattr(heap, "cgroup_available_fraction", lambda: 0.1)
+    """The host's fraction is psutil's available / total; a tighter cgroup limit's wins."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=600, total=1000))
+    monkeypatch.setattr(heap, "cgroup_available_fraction", lambda host_total: 0.1)
     assert heap.available_fraction() == pytest.approx(0.1)
-    monkeypatch.setattr(heap, "cgroup_available_fraction", lambda: None)
+    monkeypatch.setattr(heap, "cgroup_available_fraction", lambda host_total: None)
     assert heap.available_fraction() == pytest.approx(0.6)
 
 
