@@ -262,6 +262,13 @@ def _reward(cfg: PPOConfig, errs: _Errors) -> None:
     errs.check(0 <= r.format_score <= r.score, "reward.format_score",
                f"must be in [0, reward.score ({r.score})], got {r.format_score}")
     errs.non_negative("reward.length_penalty_coef", r.length_penalty_coef)
+    max_length = cfg.data.max_response_length
+    errs.check(r.length_penalty_buffer is None or 0 < r.length_penalty_buffer <= max_length,
+               "reward.length_penalty_buffer", f"must be in [1, data.max_response_length ({max_length})] or null, "
+               f"got {r.length_penalty_buffer}")
+    errs.check(r.length_penalty_buffer is None or r.length_penalty_coef > 0, "reward.length_penalty_buffer",
+               f"is set ({r.length_penalty_buffer}) but reward.length_penalty_coef is 0, so no penalty applies; "
+               "set the coefficient (verl: overlong_buffer.penalty_factor)")
     errs.non_negative("reward.repetition_penalty_coef", r.repetition_penalty_coef)
     errs.positive("reward.repetition_ngram_size", r.repetition_ngram_size)
     custom = r.custom_reward_function

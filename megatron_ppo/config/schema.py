@@ -215,7 +215,13 @@ class RewardConfig:
                                                  "comparison (1,234 = 1234, 18.0 = 18)", None)
     score: float = field(1.0, "reward of a correct answer", None)
     format_score: float = field(0.0, "reward of a well-formatted wrong answer", None)
-    length_penalty_coef: float = field(0.0, "shaping: minus coef x response_length / max_response_length", None)
+    length_penalty_coef: float = field(0.0, "shaping: minus coef x response_length / max_response_length; with "
+                                       "length_penalty_buffer, DAPO's overlong ramp (verl's DAPO reward manager: "
+                                       "overlong_buffer_cfg.penalty_factor)", None)
+    length_penalty_buffer: Optional[int] = field(
+        None, "DAPO's overlong buffer: 0 up to max_response_length - buffer tokens, then a linear ramp to -coef at "
+        "the limit (a clipped response gets -coef); null: the ramp spans the whole length (verl's DAPO reward "
+        "manager: overlong_buffer_cfg.len)", None)
     repetition_penalty_coef: float = field(0.0, "shaping: minus coef x repeated n-gram ratio", None)
     repetition_ngram_size: int = field(3, "n of the repetition penalty's n-grams", None)
     custom_reward_function: CustomRewardConfig = field(CustomRewardConfig, "")

@@ -136,8 +136,9 @@ class RewardScorer:
 
     @classmethod
     def from_config(cls, reward_cfg, max_response_length: int) -> "RewardScorer":
-        """From the `reward` config section: method/score/format_score (GSM8K), length_penalty_coef (linear:
-        -coef * length / max_response_length), repetition_penalty_coef and repetition_ngram_size, and
+        """From the `reward` config section: method/score/format_score (GSM8K), length_penalty_coef and
+        length_penalty_buffer (DAPO's overlong ramp; no buffer: linear -coef * length / max_response_length),
+        repetition_penalty_coef and repetition_ngram_size, and
         custom_reward_function.{path,name}."""
         from megatron_ppo.rewards.registry import load_custom_reward_fn
 
@@ -145,8 +146,9 @@ class RewardScorer:
         custom = reward_cfg.custom_reward_function
         return cls(
             reward_kwargs={"openai/gsm8k": gsm8k},
-            # buffer == max_length turns the soft overlong ramp into the linear -coef * length / max_length
-            length_penalty=LengthPenalty(max_response_length, max_response_length, reward_cfg.length_penalty_coef)
+            # no buffer: buffer == max_length turns the soft overlong ramp into the linear -coef * length / max_length
+            length_penalty=LengthPenalty(max_response_length, reward_cfg.length_penalty_buffer or max_response_length,
+                                         reward_cfg.length_penalty_coef)
             if reward_cfg.length_penalty_coef > 0 else None,
             repetition_penalty=RepetitionPenalty(reward_cfg.repetition_penalty_coef, reward_cfg.repetition_ngram_size)
             if reward_cfg.repetition_penalty_coef > 0 else None,

@@ -64,6 +64,7 @@ RUNS = {
             "ref.model.recompute_num_layers": 2,
             "actor.optim.lr_decay_style": "cosine", "critic.optim.lr_decay_style": "linear",
             "reward.repetition_penalty_coef": 0.1, "reward.length_penalty_coef": 0.1,
+            "reward.length_penalty_buffer": 4,
             "algorithm.use_kl_in_reward": "true", "algorithm.kl_guard.enable": "true",
             "algorithm.kl_guard.target_kl": 10.0, "algorithm.rollout_correction.rollout_is": "token",
             "algorithm.rollout_correction.rollout_is_batch_normalize": "true",

@@ -526,6 +526,12 @@ RULES = [
     # reward
     ("format_score_above_score", "tiny_cpu", ["reward.format_score=2.0"], ["reward.format_score: must be in [0, reward.score (1.0)]"]),
     ("length_penalty_negative", "tiny_cpu", ["reward.length_penalty_coef=-1"], ["reward.length_penalty_coef: must be >= 0"]),
+    ("length_penalty_buffer_beyond_response", "tiny_cpu", ["reward.length_penalty_coef=1", "reward.length_penalty_buffer=9"],
+     ["reward.length_penalty_buffer: must be in [1, data.max_response_length (8)] or null, got 9"]),
+    ("length_penalty_buffer_zero", "tiny_cpu", ["reward.length_penalty_coef=1", "reward.length_penalty_buffer=0"],
+     ["reward.length_penalty_buffer: must be in [1, data.max_response_length (8)]"]),
+    ("length_penalty_buffer_without_coef", "tiny_cpu", ["reward.length_penalty_buffer=4"],
+     ["reward.length_penalty_buffer: is set (4) but reward.length_penalty_coef is 0"]),
     ("repetition_penalty_negative", "tiny_cpu", ["reward.repetition_penalty_coef=-1"],
      ["reward.repetition_penalty_coef: must be >= 0"]),
     ("repetition_ngram_positive", "tiny_cpu", ["reward.repetition_ngram_size=0"], ["reward.repetition_ngram_size: must be > 0"]),

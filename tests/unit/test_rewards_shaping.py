@@ -93,3 +93,45 @@ def test_scorer_from_the_project_config(tmp_path):
                           repetition_penalty_coef=0.0, repetition_ngram_size=3,
                           custom_reward_function=SimpleNamespace(path=str(custom), name="compute_score"))
     assert RewardScorer.from_config(cfg, 10)(["x"], ["mine"], ["y"]).scores.tolist() == [3.0]
+
+
+def test_overlong_buffer_matches_verl_dapo_reward_manager():
+    """reward.length_penalty_buffer + length_penalty_coef = verl's DAPO overlong_buffer (len, penalty_factor): the
+    same reward at every response length, scored by verl's own DAPORewardManager."""
+    import torch
+    from verl import DataProto
+    from verl.workers.reward_manager.dapo import DAPORewardManager
+
+    from megatron_ppo.config import RewardConfig
+
+    max_len, buffer, factor = 16, 6, 0.7
+    lengths = list(range(1, max_len + 1))
+
+    class DigitTokenizer:  # the text is irrelevant here: the task reward is a constant, only lengths matter
+        eos_token = "</s>"
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(str(int(i)) for i in ids)
+
+    prompt_len = 3
+    mask = torch.zeros(len(lengths), prompt_len + max_len, dtype=torch.long)
+    mask[:, :prompt_len] = 1
+    for row, n in enumerate(lengths):
+        mask[row, prompt_len:prompt_len + n] = 1
+    data = DataProto.from_dict(
+        tensors={"prompts": torch.ones(len(lengths), prompt_len, dtype=torch.long),
+                 "responses": torch.ones(len(lengths), max_len, dtype=torch.long), "attention_mask": mask},
+        non_tensors={"data_source": np.array(["x"] * len(lengths), dtype=object),
+                     "reward_model": np.array([{"ground_truth": "1"}] * len(lengths), dtype=object)})
+    manager = DAPORewardManager(DigitTokenizer(), 0, compute_score=lambda **kw: 0.25, max_resp_len=max_len,
+                                overlong_buffer_cfg=SimpleNamespace(enable=True, len=buffer, penalty_factor=factor,
+                                                                    log=False))
+    verl_rewards = manager(data).sum(-1).tolist()
+
+    cfg = RewardConfig()
+    cfg.length_penalty_coef, cfg.length_penalty_buffer = factor, buffer
+    ours = RewardScorer.from_config(cfg, max_response_length=max_len)(
+        ["x"] * len(lengths), ["openai/gsm8k"] * len(lengths), ["1"] * len(lengths),
+        response_lengths=lengths).terms["length_penalty"] + 0.25
+    assert ours.tolist() == pytest.approx(verl_rewards, abs=1e-6)
+    assert ours[max_len - buffer - 1] == 0.25 and ours[-1] == pytest.approx(0.25 - factor)  # the ramp's two ends
