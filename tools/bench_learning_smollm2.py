@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -165,7 +166,16 @@ def run_record(work: Path, name: str, seed, base: dict, after: dict, wall: float
             "behaviour_kl_ends": ends_pair(series(run, "rollout_corr/kl")),
             "base_kinds": base_kinds, "date": str(datetime.date.today()),
             "machine_peak_gib": peak_from_csv(run / "memory.csv"),
+            "critic_explained_var": spread(series(run, "critic/vf_explained_var")),
+            "clip_ratio_ends": ends_pair(series(run, "response_length/clip_ratio")),
             "source": f"tools/bench_learning_smollm2.py, run dir {run}"}
+
+
+def spread(xs: list[float]) -> dict | None:
+    """min / median / max of a series: the critic's explained variance swings over orders of magnitude."""
+    if not xs:
+        return None
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
 
 
 def strict_accuracy(work: Path, eval_name: str) -> dict:
@@ -247,6 +257,10 @@ def task_section(title: str, runs: list[dict], page_dir: Path, goal: str) -> lis
     lines += [f"Seed {r['seed']}, scored by verl's strict rule (\"#### N\", the rule of verl's GSM8K numbers; "
               f"rescored from the same responses): {acc(r['strict']['base'])} -> {acc(r['strict']['after'])}."
               for r in runs if r.get("strict")]
+    lines += [f"Seed {r['seed']}: the critic's explained variance (critic/vf_explained_var, every step) had median "
+              f"{r['critic_explained_var']['median']:.3f}, range [{r['critic_explained_var']['min']:.3g}, "
+              f"{r['critic_explained_var']['max']:.3g}]; sampled responses clipped at the length limit "
+              f"{ends(r.get('clip_ratio_ends'))} (first -> last quarter)." for r in runs if r.get("critic_explained_var")]
     lines += [f"Seed {r['seed']}: the machine peaked at {r['machine_peak_gib']:.1f} GiB used (total - available) "
               "while it trained (tools/sample_memory.py, every 2 s)." for r in runs if r.get("machine_peak_gib")]
     lines += ["", f"Goal: {goal}", ""]

@@ -19,7 +19,8 @@ def _eval(acc: float, length: float) -> dict:
 def _run_dir(work: Path, name: str, rewards: list[float]) -> None:
     logs = work / name / "logs"
     logs.mkdir(parents=True)
-    lines = [json.dumps({"step": i + 1, "reward/score/mean": r, "actor/ppo_kl_k3": 0.001 * (i + 1)})
+    lines = [json.dumps({"step": i + 1, "reward/score/mean": r, "actor/ppo_kl_k3": 0.001 * (i + 1),
+                         "critic/vf_explained_var": 0.5 - 100 * i, "response_length/clip_ratio": 0.5 * (i % 2)})
              for i, r in enumerate(rewards)]
     (logs / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -46,6 +47,10 @@ def test_records_of_two_passes_make_one_table_with_every_seed(tmp_path):
     assert "| 69 -> 12 |" in rows[1] and "| 16 | 50.0 |" in rows[1]
     assert "1.000 -> 1.000 (####: 0.100 -> 0.200) |" in rows[1]  # GSM8K's own format, where the evals have it
     assert "Seed 1: reconstructed from an older page." in lines
+    assert runs[1]["critic_explained_var"] == {"min": 0.5 - 1500, "median": 0.5 - 750, "max": 0.5}
+    assert ("Seed 2: the critic's explained variance (critic/vf_explained_var, every step) had median -749.500, "
+            "range [-1.5e+03, 0.5]; sampled responses clipped at the length limit 0.250 -> 0.250 (first -> last "
+            "quarter).") in lines
     assert not any("machine peaked" in line for line in lines)  # no memory.csv in these run dirs
     table = bench.kind_table([("base", runs[1]["base_kinds"]), ("seed 2", runs[1]["kinds"])])
     assert "| 1-digit + 1-digit | 3/16 | 9/16 |" in table
