@@ -56,8 +56,9 @@ ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.tra
 # reports the "####" rate beside it; the training curves' validation score is the strict rule's (format 0.1, right 1).
 # Tried in session 16 and dropped: a linear length penalty (reward.length_penalty_coef=0.1) made it worse (seed 1:
 # accuracy 0.027 -> 0.008, "####" rate 0.125 -> 0.012, greedy length 207 -> 249; the page's notes).
-# Session 17 (the page's notes): a fresh normal(0, 0.02) value head gave values of std ~0.86 against returns of std
-# ~0.03, so the advantages were its noise: the value head starts at zero (critic.value_head_init=zeros). With that
+# Session 17 (the page's notes): a fresh normal(0, 0.02) value head gives values that vary by std ~0.7 from token to
+# token (tools/probe_value_head.py) while GSM8K's returns barely vary (critic/vf_explained_var -116 to -3719), so the
+# advantages were its noise: the value head starts at zero (critic.value_head_init=zeros). With that
 # alone (session 16, seed 1) the policy learnt "####" and then repeated "#### ..." lines up to the 256-token limit;
 # DAPO's overlong buffer (the last 64 tokens ramp to -0.5; a clipped response gets -0.5) makes it end its answer.
 GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=10", "actor.optim.lr=2e-5", "actor.ppo_epochs=1",

@@ -182,8 +182,8 @@ class CriticConfig:
     value_head_init: Literal["normal", "zeros"] = field(
         "normal", "a fresh value head (the critic from a causal LM or from scratch): normal(0, init_method_std) as "
         "Megatron's and verl's; zeros: every first value is 0 (on a pretrained backbone, normal heads give values of "
-        "std ~0.02 x |hidden|: 0.86 on SmolLM2-135M, against returns of std ~0.03 on GSM8K, so the first advantages "
-        "are the head's noise)", None)
+        "std ~0.02 x |hidden|: 0.71 token to token on SmolLM2-135M's GSM8K prompts (tools/probe_value_head.py), while "
+        "GSM8K's returns barely vary, so the first advantages are the head's noise)", None)
 
 
 @dataclass
