@@ -215,6 +215,9 @@ class RewardConfig:
                                                  "comparison (1,234 = 1234, 18.0 = 18)", None)
     score: float = field(1.0, "reward of a correct answer", None)
     format_score: float = field(0.0, "reward of a well-formatted wrong answer", None)
+    format_requires_marker: bool = field(False, "GSM8K: format_score only for a wrong answer marked `#### N` (with "
+                                         "method=numeric every answer with a number is well formatted, and a right "
+                                         "answer in prose still scores `score`)", None)
     length_penalty_coef: float = field(0.0, "shaping: minus coef x response_length / max_response_length; with "
                                        "length_penalty_buffer, DAPO's overlong ramp (verl's DAPO reward manager: "
                                        "overlong_buffer_cfg.penalty_factor)", None)

@@ -136,13 +136,14 @@ class RewardScorer:
 
     @classmethod
     def from_config(cls, reward_cfg, max_response_length: int) -> "RewardScorer":
-        """From the `reward` config section: method/score/format_score (GSM8K), length_penalty_coef and
-        length_penalty_buffer (DAPO's overlong ramp; no buffer: linear -coef * length / max_response_length),
+        """From the `reward` config section: method/score/format_score/format_requires_marker (GSM8K),
+        length_penalty_coef and length_penalty_buffer (DAPO's overlong ramp; no buffer: linear -coef * length / max_response_length),
         repetition_penalty_coef and repetition_ngram_size, and
         custom_reward_function.{path,name}."""
         from megatron_ppo.rewards.registry import load_custom_reward_fn
 
-        gsm8k = {"mode": reward_cfg.method, "score": reward_cfg.score, "format_score": reward_cfg.format_score}
+        gsm8k = {"mode": reward_cfg.method, "score": reward_cfg.score, "format_score": reward_cfg.format_score,
+                 "format_requires_marker": reward_cfg.format_requires_marker}
         custom = reward_cfg.custom_reward_function
         return cls(
             reward_kwargs={"openai/gsm8k": gsm8k},

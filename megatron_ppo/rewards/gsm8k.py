@@ -6,6 +6,9 @@ mode="numeric": the number after the last "####" (spaces and "$" allowed), else 
     response, compared as an exact number: "1,234" = "1234", "18.0" = "18", "-3" != "3". verl's flexible mode
     compares strings, so it marks "1,234" and "18.0" wrong.
 Either mode: `score` when correct, `format_score` when an answer was found but is wrong, 0 when none was found.
+format_requires_marker=True gives `format_score` only to a wrong answer marked "#### N": under the numeric rule every
+answer with a number counts as found, so it is the way to reward the marker while a right answer in prose still
+scores `score` (the strict rule scores that 0, below a wrong "#### N").
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ def parse_number(text: str) -> Fraction | None:
 
 @register_reward("openai/gsm8k")
 def compute_score(solution_str: str, ground_truth: str, extra_info=None, mode: str = "strict",
-                  format_score: float = 0.0, score: float = 1.0) -> float:
+                  format_score: float = 0.0, score: float = 1.0, format_requires_marker: bool = False) -> float:
     answer = extract_answer(solution_str, mode)
     if answer is None:
         return 0.0
@@ -55,4 +58,7 @@ def compute_score(solution_str: str, ground_truth: str, extra_info=None, mode: s
     else:
         want, got = parse_number(str(ground_truth)), parse_number(answer)
         correct = got == want if want is not None else answer.strip() == str(ground_truth).strip()
-    return float(score) if correct else float(format_score)
+    if correct:
+        return float(score)
+    marked = _MARKED.search(solution_str) is not None if format_requires_marker else True
+    return float(format_score) if marked else 0.0

@@ -128,3 +128,27 @@ def test_registry_lookup_errors_and_custom_sources(tmp_path, reward_registry):
         load_custom_reward_fn(module, "missing")
     with pytest.raises(FileNotFoundError, match="custom_reward_function.path"):
         load_custom_reward_fn(tmp_path / "nope.py")
+
+
+def test_format_requires_marker_rewards_the_marker_and_keeps_right_prose_answers():
+    """numeric + format_requires_marker: right in any form 1, wrong but marked "#### N" format_score, wrong prose 0.
+    The strict rule scores right prose 0, below a wrong "#### N": the reason the option exists."""
+    kw = {"mode": "numeric", "format_score": 0.1, "format_requires_marker": True}
+    assert compute_score("so the answer is 18.", "18", **kw) == 1.0
+    assert compute_score("steps...\n#### 18", "18", **kw) == 1.0
+    assert compute_score("steps...\n#### $17", "18", **kw) == 0.1
+    assert compute_score("so the answer is 17.", "18", **kw) == 0.0
+    assert compute_score("no number at all", "18", **kw) == 0.0
+    assert compute_score("so the answer is 17.", "18", mode="numeric", format_score=0.1) == 0.1  # the default
+    assert compute_score("so the answer is 18.", "18", mode="strict", format_score=0.1) == 0.0
+
+
+def test_scorer_passes_format_requires_marker_from_the_config():
+    from megatron_ppo.config import RewardConfig
+    from megatron_ppo.rewards import RewardScorer
+
+    cfg = RewardConfig()
+    cfg.method, cfg.format_score, cfg.format_requires_marker = "numeric", 0.1, True
+    out = RewardScorer.from_config(cfg, max_response_length=64)(
+        ["the answer is 18", "the answer is 17", "#### 17"], ["openai/gsm8k"] * 3, ["18"] * 3)
+    assert out.scores.tolist() == [1.0, 0.0, 0.1]

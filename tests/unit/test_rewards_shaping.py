@@ -89,8 +89,8 @@ def test_scorer_from_the_project_config(tmp_path):
     custom = tmp_path / "r.py"
     custom.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return 3.0 if data_source == 'mine' else 0.0\n")
-    cfg = SimpleNamespace(method="strict", score=1.0, format_score=0.0, length_penalty_coef=0.0,
-                          repetition_penalty_coef=0.0, repetition_ngram_size=3,
+    cfg = SimpleNamespace(method="strict", score=1.0, format_score=0.0, format_requires_marker=False,
+                          length_penalty_coef=0.0, repetition_penalty_coef=0.0, repetition_ngram_size=3,
                           custom_reward_function=SimpleNamespace(path=str(custom), name="compute_score"))
     assert RewardScorer.from_config(cfg, 10)(["x"], ["mine"], ["y"]).scores.tolist() == [3.0]
 
