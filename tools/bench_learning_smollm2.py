@@ -11,7 +11,7 @@ Per run: reward, KL, entropy, response length and validation curves (the run's c
 page), the checkpoint of the last step evaluated. Writes docs/bench/learning_smollm2.md (then run
 tools/collect_benchmarks.py). `tools/bench_learning.py --model smollm2 ...` runs this.
 
-    python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 20 --offline-steps 25 --gsm8k-full
+    python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 12 --offline-steps 25 --gsm8k-full
 """
 from __future__ import annotations
 
@@ -47,25 +47,26 @@ ARITH_OPTIM = ("data.val_max_samples=64", "trainer.test_freq=10", "actor.optim.l
 ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.train_batch_size=8")
 # GSM8K, scaled like the arithmetic runs: 4 prompts x 4 responses at temperature 0.7 up to the recipe's 256 tokens,
 # one PPO epoch in mini-batches of 2 prompts, actor lr 2e-5 (the arithmetic lr; at 1e-5 the first try's KL stayed
-# ~1e-4 and its sampled reward flat for 11 steps), validation on 64 test questions every 10 steps (~2 min each).
+# ~1e-4 and its sampled reward flat for 11 steps), validation on 64 test questions every 6 steps (~2 min each).
 # Measured (session 15): ~95-150 s a step on 2 cores (generation, log-probs, critic and actor updates ~25-40 s each).
-# The GSM8K runs train on verl's strict rule with its format_score (0.1 for a "#### N" answer that is wrong, 1 for a
-# right one, 0 without "####"): under the recipe's numeric rule every response of the base model already has an
-# answer (format rate 1.000), so nothing would reward the "####" the prompt asks for (the base writes it 12.5 % of the
-# time). Every GSM8K eval (before and after) scores with the numeric rule (GSM8K_EVAL), so the accuracies compare, and
-# reports the "####" rate beside it; the training curves' validation score is the strict rule's (format 0.1, right 1).
-# Tried in session 16 and dropped: a linear length penalty (reward.length_penalty_coef=0.1) made it worse (seed 1:
-# accuracy 0.027 -> 0.008, "####" rate 0.125 -> 0.012, greedy length 207 -> 249; the page's notes).
-# Session 17 (the page's notes): a fresh normal(0, 0.02) value head gives values that vary by std ~0.7 from token to
-# token (tools/probe_value_head.py) while GSM8K's returns barely vary (critic/vf_explained_var -116 to -3719), so the
-# advantages were its noise: the value head starts at zero (critic.value_head_init=zeros). With that
-# alone (session 16, seed 1) the policy learnt "####" and then repeated "#### ..." lines up to the 256-token limit;
-# DAPO's overlong buffer (the last 64 tokens ramp to -0.5; a clipped response gets -0.5) makes it end its answer.
-GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=10", "actor.optim.lr=2e-5", "actor.ppo_epochs=1",
+# Reward (session 17): the numeric rule (a right answer in any form scores 1) with format_score 0.1 for a wrong answer
+# marked "#### N" only (reward.format_requires_marker), so the marker the prompt asks for is rewarded (the base
+# writes it 12.5 % of the time) without scoring a right prose answer 0. Sessions 15-16 trained on verl's strict rule
+# (right "#### N" 1, wrong "#### N" 0.1, anything else 0), which ranks a right prose answer below a wrong "#### N".
+# Every GSM8K eval (before and after) scores with the numeric rule and no format score (GSM8K_EVAL), and reports the
+# "####" rate beside it.
+# The value head starts at zero (critic.value_head_init=zeros): a fresh normal(0, 0.02) head gives values that vary
+# by std ~0.7 from token to token (tools/probe_value_head.py) while GSM8K's returns barely vary (critic/
+# vf_explained_var -116 to -3719 in session 16), so the advantages were its noise.
+# 12 steps (sessions 15-16: 20): in the zero-head run the sampled reward stopped rising at step ~9 while the KL to the
+# reference doubled after it and the responses filled the length limit with "#### ..." lines.
+# Tried and dropped (the page's notes): a linear length penalty (reward.length_penalty_coef=0.1; session 16: accuracy
+# 0.027 -> 0.008); DAPO's overlong buffer (coef 0.5 over the last 64 tokens; session 17: responses fell to 8-50
+# tokens, KL to the reference 0.6-2.2).
+GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=6", "actor.optim.lr=2e-5", "actor.ppo_epochs=1",
                "critic.ppo_epochs=1", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
-               "rollout.temperature=0.7", "rollout.n=4", "data.train_batch_size=4", "reward.method=strict",
-               "reward.format_score=0.1", "critic.value_head_init=zeros", "reward.length_penalty_coef=0.5",
-               "reward.length_penalty_buffer=64")
+               "rollout.temperature=0.7", "rollout.n=4", "data.train_batch_size=4", "reward.method=numeric",
+               "reward.format_score=0.1", "reward.format_requires_marker=true", "critic.value_head_init=zeros")
 GSM8K_EVAL = ("reward.method=numeric", "reward.format_score=0.0")
 # offline: the dumping run samples as ARITH_TRAIN does (8 prompts x 4 at temperature 0.7: 32 rows a step, rewards of
 # mixed quality) with an actor that never changes (critic_warmup); the offline runs take those 32 rows a step, in
@@ -73,7 +74,7 @@ GSM8K_EVAL = ("reward.method=numeric", "reward.format_score=0.0")
 # the dump's temperature (offline refuses another: rollout/offline.py)
 OFFLINE_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "data.train_batch_size=32", "actor.ppo_mini_batch_size=16",
                  "critic.ppo_mini_batch_size=16")
-FULL_COMMAND = ("python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 20 "
+FULL_COMMAND = ("python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 12 "
                 "--offline-steps 25 --gsm8k-full")
 NOTES_MARK = "<!-- notes: written by people, kept when this tool rewrites the page -->"
 OFFLINE = (("token_is", ("algorithm.rollout_correction.rollout_is=token",
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--arith-steps", type=int, default=40, help="~71 s a step on 2 cores (seed 1: 40 steps, 5 "
                    "validations, 50.6 min)")
-    p.add_argument("--gsm8k-steps", type=int, default=20, help="~2 min a step on 2 cores")
+    p.add_argument("--gsm8k-steps", type=int, default=12, help="~2 min a step on 2 cores")
     p.add_argument("--offline-steps", type=int, default=25, help="0: skip the offline runs")
     p.add_argument("--tasks", nargs="+", default=["arithmetic", "gsm8k"], choices=["arithmetic", "gsm8k"])
     p.add_argument("--gsm8k-full", action="store_true", help="also evaluate the base on all 1,319 test questions")
