@@ -262,7 +262,8 @@ def task_section(title: str, runs: list[dict], page_dir: Path, goal: str) -> lis
     lines += [f"Seed {r['seed']}: the critic's explained variance (critic/vf_explained_var, every step) had median "
               f"{r['critic_explained_var']['median']:.3f}, range [{r['critic_explained_var']['min']:.3g}, "
               f"{r['critic_explained_var']['max']:.3g}]; sampled responses clipped at the length limit "
-              f"{ends(r.get('clip_ratio_ends'))} (first -> last quarter)." for r in runs if r.get("critic_explained_var")]
+              f"{ends(r.get('clip_ratio_ends'))} (first -> last quarter)."
+              for r in runs if r.get("critic_explained_var")]
     lines += [f"Seed {r['seed']}: the machine peaked at {r['machine_peak_gib']:.1f} GiB used (total - available) "
               "while it trained (tools/sample_memory.py, every 2 s)." for r in runs if r.get("machine_peak_gib")]
     lines += ["", f"Goal: {goal}", ""]

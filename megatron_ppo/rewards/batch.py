@@ -137,8 +137,8 @@ class RewardScorer:
     @classmethod
     def from_config(cls, reward_cfg, max_response_length: int) -> "RewardScorer":
         """From the `reward` config section: method/score/format_score/format_requires_marker (GSM8K),
-        length_penalty_coef and length_penalty_buffer (DAPO's overlong ramp; no buffer: linear -coef * length / max_response_length),
-        repetition_penalty_coef and repetition_ngram_size, and
+        length_penalty_coef and length_penalty_buffer (DAPO's overlong ramp; no buffer: linear -coef * length /
+        max_response_length), repetition_penalty_coef and repetition_ngram_size, and
         custom_reward_function.{path,name}."""
         from megatron_ppo.rewards.registry import load_custom_reward_fn
 
