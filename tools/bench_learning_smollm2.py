@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -84,10 +85,35 @@ OFFLINE = (("token_is", ("algorithm.rollout_correction.rollout_is=token",
 def cli(log: Path, *args: str) -> float:
     """`megatron-ppo <args>` in a fresh process, output to ``log``; returns the wall time."""
     start = time.perf_counter()
-    with open(log, "w") as f:
-        subprocess.run([sys.executable, "-m", "megatron_ppo.cli", *args], check=True, cwd=REPO, stdout=f,
-                       stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    run_child([sys.executable, "-m", "megatron_ppo.cli", *args], log, {**os.environ, "PYTHONUNBUFFERED": "1"})
     return time.perf_counter() - start
+
+
+def run_child(cmd: list[str], log: Path, env: dict, grace_s: float = 120.0) -> None:
+    """Run ``cmd`` to its end, output to ``log``; when this process is stopped (Ctrl-C, or SIGTERM once
+    exit_on_sigterm is installed) the child is stopped too. A training run left behind holds ~19 GiB of the 23, and
+    in session 17 one made the next run die of OOM. The child gets SIGTERM first (the trainer saves as on a
+    preemption and shuts Ray down), SIGKILL after ``grace_s``."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)
+        try:
+            rc = proc.wait()
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+    if rc:
+        raise subprocess.CalledProcessError(rc, cmd)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit (143) in the main thread, so run_child's cleanup runs (Python's default is to die
+    at once, leaving the child behind)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def evaluate(work: Path, name: str, model: Path, data: Path, n: int, *overrides: str, reuse: bool) -> dict:
@@ -317,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
                    "marked pending on the page)")
     p.add_argument("--n", type=int, default=SUBSET, help="test questions per task (default 256)")
     args = p.parse_args(argv)
+    exit_on_sigterm()
     work = (REPO / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     page_dir = (REPO / args.out).with_suffix("")

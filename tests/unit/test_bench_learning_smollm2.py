@@ -104,3 +104,32 @@ def test_a_runs_memory_samples_give_its_records_peak(tmp_path):
     assert runs[0]["machine_peak_gib"] == 18.51
     assert ("Seed 1: the machine peaked at 18.5 GiB used (total - available) while it trained "
             "(tools/sample_memory.py, every 2 s).") in bench.task_section("GSM8K", runs, page_dir, "goal")
+
+
+def test_stopping_the_tool_stops_its_training_child(tmp_path):
+    """A training child outliving a stopped tool holds ~19 GiB and starved the next run (session 17): SIGTERM to the
+    tool must take its child down too."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    tool = ("import sys; sys.path.insert(0, {tools!r}); import bench_learning_smollm2 as b; b.exit_on_sigterm(); "
+            "b.run_child([sys.executable, '-c', {child!r}], __import__('pathlib').Path({log!r}), {{}}, grace_s=10)"
+            ).format(tools=str(Path(bench.__file__).parent), child=child, log=str(tmp_path / "child.log"))
+    parent = subprocess.Popen([sys.executable, "-c", tool])
+    deadline = time.monotonic() + 60
+    while not pid_file.is_file() or not pid_file.read_text():
+        assert time.monotonic() < deadline and parent.poll() is None, "the child never started"
+        time.sleep(0.1)
+    child_pid = int(pid_file.read_text())
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(30) == 128 + signal.SIGTERM
+    try:
+        os.kill(child_pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive, f"child {child_pid} outlived the tool"
