@@ -64,11 +64,16 @@ ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.tra
 # Tried and dropped (the page's notes): a linear length penalty (reward.length_penalty_coef=0.1; session 16: accuracy
 # 0.027 -> 0.008); DAPO's overlong buffer (coef 0.5 over the last 64 tokens; session 17: responses fell to 8-50
 # tokens, KL to the reference 0.6-2.2).
+# Session 18: a response ends with the line that holds its "####" (rollout.stop_pattern), in training and in every
+# GSM8K eval, the base's too. In session 17 the trained policies repeated their "#### N" line to the 256-token limit
+# (110 and 236 of 256 greedy answers), and those repeats were sampled and trained on.
+GSM8K_STOP = ("rollout.stop_pattern=####[^\\n]*\\n",)
 GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=6", "actor.optim.lr=2e-5", "actor.ppo_epochs=1",
                "critic.ppo_epochs=1", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
                "rollout.temperature=0.7", "rollout.n=4", "data.train_batch_size=4", "reward.method=numeric",
-               "reward.format_score=0.1", "reward.format_requires_marker=true", "critic.value_head_init=zeros")
-GSM8K_EVAL = ("reward.method=numeric", "reward.format_score=0.0")
+               "reward.format_score=0.1", "reward.format_requires_marker=true", "critic.value_head_init=zeros",
+               *GSM8K_STOP)
+GSM8K_EVAL = ("reward.method=numeric", "reward.format_score=0.0", *GSM8K_STOP)
 # offline: the dumping run samples as ARITH_TRAIN does (8 prompts x 4 at temperature 0.7: 32 rows a step, rewards of
 # mixed quality) with an actor that never changes (critic_warmup); the offline runs take those 32 rows a step, in
 # mini-batches of 16 rows (ARITH_TRAIN's 4 prompts x 4), at ARITH_OPTIM's lr and epochs, and score the stored tokens at
@@ -116,12 +121,22 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def same_command(out: Path, args: list[str]) -> bool:
+    """Whether ``out`` was made by this very command line (command.json): ``--reuse`` keeps only such a dir, so
+    a pass with other overrides never reuses a run or an eval made with the old ones."""
+    made = out / "command.json"
+    return made.is_file() and json.loads(made.read_text()) == args
+
+
 def evaluate(work: Path, name: str, model: Path, data: Path, n: int, *overrides: str, reuse: bool) -> dict:
     out = work / f"eval_{name}"
-    if not (reuse and (out / "eval.json").is_file()):
+    args = ["eval", "--model", str(model), "--data", str(data), "--n", str(n), "--out", str(out), "--samples", "-1",
+            *overrides]
+    if not (reuse and (out / "eval.json").is_file() and same_command(out, args)):
         out.mkdir(parents=True, exist_ok=True)
-        cli(out / "cli.log", "eval", "--model", str(model), "--data", str(data), "--n", str(n), "--out", str(out),
-            "--samples", "-1", *overrides)
+        (out / "command.json").unlink(missing_ok=True)
+        cli(out / "cli.log", *args)
+        (out / "command.json").write_text(json.dumps(args))
     return json.loads((out / "eval.json").read_text())
 
 
@@ -130,14 +145,16 @@ def train(work: Path, name: str, steps: int, *overrides: str, reuse: bool) -> tu
     logs, ckpt = work / name / "logs", work / name / "checkpoints"
     actor = ckpt / f"global_step_{steps}" / "actor"
     done = work / name / "wall_s"
-    if reuse and done.is_file() and actor.is_dir():
+    args = ["train", "--config", "smollm2_gsm8k", "trainer.overwrite=true", f"trainer.total_training_steps={steps}",
+            f"trainer.save_freq={steps}", f"trainer.log_dir={logs}", f"trainer.default_local_dir={ckpt}", *overrides]
+    if reuse and done.is_file() and actor.is_dir() and same_command(work / name, args):
         return actor, float(done.read_text())
     (work / name).mkdir(parents=True, exist_ok=True)
+    done.unlink(missing_ok=True)
     with MemorySampler(work / name / "memory.csv"):  # the machine's used memory every 2 s: the record's peak
-        wall = cli(work / name / "train.log", "train", "--config", "smollm2_gsm8k", "trainer.overwrite=true",
-                   f"trainer.total_training_steps={steps}", f"trainer.save_freq={steps}", f"trainer.log_dir={logs}",
-                   f"trainer.default_local_dir={ckpt}", *overrides)
+        wall = cli(work / name / "train.log", *args)
     done.write_text(f"{wall:.1f}\n")
+    (work / name / "command.json").write_text(json.dumps(args))
     return actor, wall
 
 

@@ -304,6 +304,13 @@ def _rollout(cfg: PPOConfig, errs: _Errors) -> None:
     else:
         errs.check(not r.trajectory_files, "rollout.trajectory_files", "only read when rollout.mode=offline "
                    "(it is online); remove them or set rollout.mode=offline")
+    if r.stop_pattern is not None:
+        from megatron_ppo.rollout.stop import compile_stop_pattern
+
+        try:
+            compile_stop_pattern(r.stop_pattern)
+        except ValueError as exc:
+            errs.append(str(exc))
     if r.name == "vllm":
         _vllm(cfg, errs)
     if cfg.algorithm.adv_estimator == "grpo":

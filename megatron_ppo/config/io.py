@@ -297,12 +297,16 @@ def _field_type(cls: type, parts: list[str]) -> tuple[Any, str | None]:
     return tp, None
 
 
+YAML_NULLS = ("", "null", "Null", "NULL", "~")  # the plain scalars YAML reads as null
+
+
 def apply_overrides(
     data: dict, overrides: list[str], cls: type, renames: list[tuple[str, str]] = (), source: str | None = None
 ) -> dict:
     """Return a copy of `data` with `a.b.c=value` overrides applied; values are YAML scalars/flow collections.
 
-    A value for a string field is kept verbatim (so `trainer.experiment_name=2024` stays a string); all other
+    A value for a string field is kept verbatim (so `trainer.experiment_name=2024` stays a string, and
+    `rollout.stop_pattern=####...` is not a YAML comment), unless it is null; all other
     values are type-checked later by `from_dict`, with the same error messages as the YAML file gets.
     """
     data = copy.deepcopy(data) if data else {}
@@ -335,7 +339,8 @@ def apply_overrides(
         except yaml.YAMLError as exc:
             errors.append(f"override {text!r}: {key}: value is not valid YAML ({exc.__class__.__name__})")
             continue
-        if _unwrap_optional(tp) is str and value is not None and not isinstance(value, str):
+        if _unwrap_optional(tp) is str and not isinstance(value, str) and (
+                value is not None or raw.strip() not in YAML_NULLS):  # a bare '#...' is a YAML comment: None
             value = raw.strip()
         node = data
         for part in parts[:-1]:

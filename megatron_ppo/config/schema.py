@@ -294,6 +294,10 @@ class RolloutConfig(SamplingConfig):
                                                "trajectory_files", None)
     trajectory_files: list[str] = field([], "offline trajectory parquet file(s) (rollout.mode=offline)", None)
     dump_dir: Optional[str] = field(None, "write each step's rollouts as trajectory parquet here")
+    stop_pattern: Optional[str] = field(
+        None, "a regular expression: a response ends at the token whose text completes its first match (kept in the "
+        "response; counted as an end, like eos; training, validation and eval; rollout/stop.py), e.g. "
+        "'####[^\\n]*\\n' ends a GSM8K answer with its #### line; null: off", None)
     log_prob_micro_batch_size_per_gpu: Optional[int] = field(None, "old-log-prob forward: sequences per forward")
     log_prob_use_dynamic_bsz: bool = field(False, "old-log-prob forward by token budget")
     log_prob_max_token_len_per_gpu: int = field(16384, "token budget per old-log-prob micro-batch")

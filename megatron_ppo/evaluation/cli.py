@@ -182,6 +182,7 @@ def run_eval(cfg, role_dir: str | None, batch_size: int | None = None, show=prin
     from megatron_ppo.evaluation.metrics import format_table, summarise
     from megatron_ppo.rewards.batch import RewardScorer, score_responses
     from megatron_ppo.rollout.source import OnlineSource, sampling_params
+    from megatron_ppo.rollout.stop import ResponseStop
     from megatron_ppo.trainer.components import check_reward_model_tokenizer
     from megatron_ppo.trainer.groups import build_groups
     from megatron_ppo.workers.build import model_arch
@@ -205,7 +206,8 @@ def run_eval(cfg, role_dir: str | None, batch_size: int | None = None, show=prin
         eos = stop_token_ids(tokenizer, cfg.actor.model.path or cfg.actor.model.tokenizer_path)
         val = cfg.rollout.val_kwargs
         source = OnlineSource(dataset, actor, sampling_params(val, cfg.data.max_response_length, eos,
-                                                              tokenizer.pad_token_id), val.n, cfg.trainer.balance_batch)
+                                                              tokenizer.pad_token_id), val.n, cfg.trainer.balance_batch,
+                              ResponseStop.from_config(cfg.rollout, tokenizer))
         size = batch_size or cfg.data.val_batch_size or 64
         rows: list[dict] = []
         chunks = chunk_rows(list(range(len(dataset))), size)
@@ -222,7 +224,8 @@ def run_eval(cfg, role_dir: str | None, batch_size: int | None = None, show=prin
     doc = {**summary["overall"], "by_data_source": summary["by_data_source"], "prompts": len(dataset),
            "responses_per_prompt": val.n, "sampling": {"do_sample": val.do_sample, "temperature": val.temperature,
                                                        "top_p": val.top_p, "top_k": val.top_k},
-           "max_response_length": cfg.data.max_response_length, "data": list(cfg.data.val_files),
+           "max_response_length": cfg.data.max_response_length,
+           "stop_pattern": cfg.rollout.stop_pattern, "data": list(cfg.data.val_files),
            "model": role_dir or cfg.actor.model.path, "rollout_engine": cfg.rollout.name,
            "dropped_prompts": dataset.stats.get("filtered_overlong", 0), "seconds": round(seconds, 1)}
     out = cfg.trainer.log_dir

@@ -12,6 +12,7 @@ import torch
 from megatron_ppo.data.batch import RolloutBatch
 from megatron_ppo.rollout.base import SamplingParams
 from megatron_ppo.rollout.offline import OfflineTrajectories, rollout_batch
+from megatron_ppo.rollout.stop import ResponseStop
 
 META_KEYS = ("raw_prompt", "data_source", "reward_model", "extra_info", "index")
 
@@ -38,8 +39,10 @@ class OnlineSource:
 
     kind = "online"
 
-    def __init__(self, dataset, actor, params: SamplingParams, n: int, balance: bool = True):
+    def __init__(self, dataset, actor, params: SamplingParams, n: int, balance: bool = True,
+                 stop: ResponseStop | None = None):
         self.dataset, self.actor, self.params, self.n, self.balance = dataset, actor, params, n, balance
+        self.stop = stop  # rollout.stop_pattern (rollout/stop.py), applied to every batch the engine returns
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -74,11 +77,15 @@ class OnlineSource:
         return rows, [prompts["input_ids"][i][keep[i]] for i in rows]
 
     def _batch(self, prompts: dict, rows: list[int], prompt_ids: list, out: dict, step: int) -> RolloutBatch:
-        width = out["responses"].shape[1]
-        mask = (torch.arange(width) < out["response_lengths"].unsqueeze(1)).float()
+        responses, lengths, log_probs = out["responses"], out["response_lengths"], out["log_probs"]
         meta = {key: [prompts[key][i] for i in rows] for key in META_KEYS}
         meta["uid"] = [f"{step}-{i}" for i in rows]  # GRPO groups: the n responses to one prompt of this batch
-        return RolloutBatch(prompt_ids, out["responses"], mask, {"rollout_log_probs": out["log_probs"] * mask}, meta)
+        if self.stop is not None:
+            responses, lengths, log_probs, stopped = self.stop.apply(responses, lengths, log_probs,
+                                                                     self.params.pad_token_id)
+            meta["stopped"] = stopped.tolist()  # counted as response_length/stop_ratio
+        mask = (torch.arange(responses.shape[1]) < lengths.unsqueeze(1)).float()
+        return RolloutBatch(prompt_ids, responses, mask, {"rollout_log_probs": log_probs * mask}, meta)
 
 
 @dataclass

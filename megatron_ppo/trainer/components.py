@@ -22,6 +22,7 @@ from megatron_ppo.rewards.batch import RewardScorer
 from megatron_ppo import roles
 from megatron_ppo.convert.hf_import import convert_for_roles
 from megatron_ppo.rollout.source import OfflineSource, OnlineSource, RolloutSource, sampling_params
+from megatron_ppo.rollout.stop import ResponseStop
 from megatron_ppo.trainer.groups import RoleGroups, build_groups
 from megatron_ppo.trainer.run_record import write_run_record
 from megatron_ppo.trainer.tracking import Tracker
@@ -159,10 +160,12 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
     eos_ids = stop_token_ids(tokenizer, cfg.actor.model.path)
     balance, max_len, pad = cfg.trainer.balance_batch, cfg.data.max_response_length, tokenizer.pad_token_id
     actor = groups.get("actor")
+    stop = ResponseStop.from_config(cfg.rollout, tokenizer)
     source = OfflineSource(train) if cfg.rollout.mode == "offline" else OnlineSource(
-        train, actor, sampling_params(cfg.rollout, max_len, eos_ids, pad), cfg.rollout.n, balance)
+        train, actor, sampling_params(cfg.rollout, max_len, eos_ids, pad), cfg.rollout.n, balance, stop)
     val_source = None if val is None else OnlineSource(
-        val, actor, sampling_params(cfg.rollout.val_kwargs, max_len, eos_ids, pad), cfg.rollout.val_kwargs.n, balance)
+        val, actor, sampling_params(cfg.rollout.val_kwargs, max_len, eos_ids, pad), cfg.rollout.val_kwargs.n, balance,
+        stop)
     return Components(
         total_steps=total_steps, tokenizer=tokenizer, eos_token_ids=eos_ids,
         source=source, val_source=val_source, sampler=sampler,

@@ -357,6 +357,8 @@ class PPOTrainer:
             "perf/total_num_tokens": float(tokens),
             "perf/tokens_per_s": tokens / max(metrics.get("timing/step", 0.0), 1e-9),
         })
+        if "stopped" in batch.meta:  # rollout.stop_pattern on: the share of responses it ended
+            metrics["response_length/stop_ratio"] = float(np.mean(batch.meta["stopped"]))
         if self.p.kl_ctrl is not None:
             metrics["actor/kl_coef"] = float(self.p.kl_ctrl.value)
         if self.p.dumper is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,18 @@ def test_eval_of_a_checkpoint_equals_train_validation_of_the_same_weights(tmp_pa
     assert all(s["strict_formatted"] <= ("####" in s["response"]) for s in samples)
     assert doc["strict_format_rate"] == pytest.approx(sum(s["strict_formatted"] for s in samples) / 12)
     assert "accuracy" in ev.stdout and str(out / "eval.json") in ev.stdout
+
+    # rollout.stop_pattern reaches eval: the same greedy responses, each cut at the token completing its first vowel
+    stop_out = tmp_path / "eval_stop"
+    ev = _cli("eval", "--model", str(actor), "--data", str(data / "test.parquet"), "--n", "12", "--out", str(stop_out),
+              "--samples", "-1", "rollout.stop_pattern=[aeiou]")
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert json.loads((stop_out / "eval.json").read_text())["stop_pattern"] == "[aeiou]"
+    cut = [json.loads(line)["response"] for line in (stop_out / "samples.jsonl").read_text().splitlines()]
+    whole = [s["response"] for s in samples]
+    for short, full in zip(cut, whole):
+        assert full.startswith(short) and bool(re.search("[aeiou]", short)) == bool(re.search("[aeiou]", full))
+    assert sum(len(c) < len(w) for c, w in zip(cut, whole)) >= 3, (cut, whole)
 
     # the step directory names the same actor, and a checkpoint of the critic is not a policy
     from megatron_ppo.evaluation.cli import checkpoint_role_dir

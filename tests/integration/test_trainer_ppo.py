@@ -64,8 +64,11 @@ def test_one_ppo_step_end_to_end(data_dir, tmp_path):
     from megatron_ppo.trainer.ppo import PPOTrainer
 
     # 2 mini-batches per step: the lr schedule must still advance once per training step (verl's rule)
+    # rollout.stop_pattern: a response ends at the token that completes its first vowel (the random tiny model
+    # writes one in most of its 8 tokens), checked on the dumped trajectories below
     overrides = _overrides(data_dir, tmp_path, **{"rollout.dump_dir": str(tmp_path / "dump"),
-                                                  "actor.optim.lr_warmup_steps": 4, "actor.optim.lr_warmup_init": 1e-5})
+                                                  "actor.optim.lr_warmup_steps": 4, "actor.optim.lr_warmup_init": 1e-5,
+                                                  "rollout.stop_pattern": "[aeiou]", "rollout.n": 2})
     cfg = load_config("tiny_cpu", overrides)
     parallel.initialize(tp=1, pp=1, seed=cfg.trainer.seed)
     try:
@@ -95,7 +98,15 @@ def test_one_ppo_step_end_to_end(data_dir, tmp_path):
     assert logged[-1]["step"] == 1 and logged[-1]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"])
     # The step's rollouts were dumped as trajectory parquet that the offline dataset reads back.
     dumped = TrajectoryDataset(sorted((tmp_path / "dump").glob("*.parquet")))
-    assert len(dumped) == cfg.data.train_batch_size
+    assert len(dumped) == cfg.data.train_batch_size * cfg.rollout.n
+    # every dumped response ends at its first vowel (or has none): the stop reached what was scored and trained
+    text = lambda ids: parts.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    stopped = [re.search("[aeiou]", text(item["response_ids"])) is not None for item in dumped]
+    for item, stop in zip(dumped, stopped):
+        ids = item["response_ids"]
+        assert not stop or re.search("[aeiou]", text(ids[:-1])) is None, text(ids)
+        assert len(item["rollout_log_probs"]) == len(ids)
+    assert any(stopped) and metrics["response_length/stop_ratio"] == pytest.approx(sum(stopped) / len(stopped))
 
 
 @pytest.mark.slow

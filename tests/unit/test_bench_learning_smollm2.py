@@ -72,11 +72,22 @@ def test_every_run_setting_is_a_valid_override_of_the_recipe(tmp_path):
     for overrides in (bench.ARITH_TRAIN, bench.GSM8K_TRAIN):
         cfg = load_config("smollm2_gsm8k", list(overrides))
         assert cfg.rollout.n == 4 and cfg.rollout.temperature == 0.7
+    for overrides in (bench.GSM8K_TRAIN, bench.GSM8K_EVAL):  # a "#..." override was once read as a YAML comment
+        assert load_config("smollm2_gsm8k", list(overrides)).rollout.stop_pattern == r"####[^\n]*\n"
     offline = [*bench.OFFLINE_TRAIN, "rollout.mode=offline", f"rollout.trajectory_files=[{tmp_path}]",
                "data.train_files=[]"]
     for _, extra in bench.OFFLINE:
         cfg = load_config("smollm2_gsm8k", [*offline, *extra])
         assert cfg.rollout.n == 1 and cfg.data.train_batch_size == 32
+
+
+def test_reuse_keeps_only_a_dir_made_by_the_same_command(tmp_path):
+    """--reuse once kept session 17's base eval for a pass whose evals add rollout.stop_pattern."""
+    args = ["eval", "--model", "m", *bench.GSM8K_EVAL]
+    assert not bench.same_command(tmp_path, args)  # made by an older tool: no command.json
+    (tmp_path / "command.json").write_text(json.dumps(args))
+    assert bench.same_command(tmp_path, args)
+    assert not bench.same_command(tmp_path, args[:-1])
 
 
 def test_strict_accuracy_rescores_the_samples_by_verls_rule(tmp_path):

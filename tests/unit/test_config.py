@@ -96,6 +96,14 @@ def test_override_string_field_keeps_text_verbatim():
     assert cfg.trainer.experiment_name == "2024" and cfg.trainer.project_name == "1e3"
 
 
+def test_override_string_starting_with_a_hash_is_not_a_yaml_comment():
+    """YAML reads a bare "#..." as a comment (null): rollout.stop_pattern=####... once became null, silently."""
+    cfg = load_config("tiny_cpu", [r"rollout.stop_pattern=####[^\n]*\n", "trainer.experiment_name=#7"])
+    assert cfg.rollout.stop_pattern == r"####[^\n]*\n" and cfg.trainer.experiment_name == "#7"
+    for null in ("rollout.stop_pattern=null", "rollout.stop_pattern=~", "rollout.stop_pattern="):
+        assert load_config("tiny_cpu", [r"rollout.stop_pattern=\d\n", null]).rollout.stop_pattern is None
+
+
 def test_override_null_and_creating_an_optional_section():
     cfg = load_config("tiny_cpu", ["actor.clip_ratio_low=0.1", "actor.clip_ratio_low=null",
                                    "critic.model.arch.num_layers=4"])
@@ -472,6 +480,10 @@ RULES = [
     ("tokenizer_vocab_too_small", "tiny_cpu", ["data.preprocess.tokenizer_vocab_size=100"],
      ["data.preprocess.tokenizer_vocab_size: must be >= 256"]),
     # rollout
+    ("stop_pattern_syntax", "tiny_cpu", ["rollout.stop_pattern=([0-9]"],
+     ["rollout.stop_pattern='([0-9]': not a valid regular expression"]),
+    ("stop_pattern_empty_match", "tiny_cpu", ["rollout.stop_pattern=#*"],
+     ["rollout.stop_pattern='#*': matches empty text"]),
     ("grpo_needs_groups", "tiny_cpu", ["algorithm.adv_estimator=grpo"], ["rollout.n: must be >= 2 with algorithm.adv_estimator=grpo"]),
     ("temperature_zero_when_sampling", "tiny_cpu", ["rollout.temperature=0"],
      ["rollout.temperature: must be > 0 when do_sample is true"]),
