@@ -50,10 +50,11 @@ ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.tra
 # one PPO epoch in mini-batches of 2 prompts, actor lr 2e-5 (the arithmetic lr; at 1e-5 the first try's KL stayed
 # ~1e-4 and its sampled reward flat for 11 steps), validation on 64 test questions every 6 steps (~2 min each).
 # Measured (session 15): ~95-150 s a step on 2 cores (generation, log-probs, critic and actor updates ~25-40 s each).
-# Reward (session 17): the numeric rule (a right answer in any form scores 1) with format_score 0.1 for a wrong answer
-# marked "#### N" only (reward.format_requires_marker), so the marker the prompt asks for is rewarded (the base
-# writes it 12.5 % of the time) without scoring a right prose answer 0. Sessions 15-16 trained on verl's strict rule
-# (right "#### N" 1, wrong "#### N" 0.1, anything else 0), which ranks a right prose answer below a wrong "#### N".
+# Reward (session 18): the numeric rule (a right answer in any form scores 1, anything else 0; format_score 0, verl's
+# GSM8K default). Every format score tried was gamed: sessions 15-16 trained on verl's strict rule with format_score
+# 0.1 (right "#### N" 1, wrong "#### N" 0.1), which ranks a right prose answer below a wrong "#### N"; session 17
+# gave 0.1 to a wrong answer marked "#### N" only (reward.format_requires_marker), and in session 18 that policy,
+# stopped after its marker line, ended 241 of 256 greedy answers with "#### 1" or "#### 2" (accuracy 8 -> 2 of 256).
 # Every GSM8K eval (before and after) scores with the numeric rule and no format score (GSM8K_EVAL), and reports the
 # "####" rate beside it.
 # The value head starts at zero (critic.value_head_init=zeros): a fresh normal(0, 0.02) head gives values that vary
@@ -67,12 +68,15 @@ ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.tra
 # Session 18: a response ends with the line that holds its "####" (rollout.stop_pattern), in training and in every
 # GSM8K eval, the base's too. In session 17 the trained policies repeated their "#### N" line to the 256-token limit
 # (110 and 236 of 256 greedy answers), and those repeats were sampled and trained on.
+# GRPO (session 18): with every reward 0 (most steps: the base is right 3 % of the time), GAE's whitened advantages
+# are the critic's noise at unit scale and the actor took full-size steps on it; a GRPO group of 4 wrong answers has
+# advantage 0. Actor lr 1e-6 (verl's default; chosen after the 2e-5 GRPO run, gsm8k_grpo_s1.json, where one step's
+# update from one right answer, carried on by Adam's momentum, changed all 256 greedy answers: accuracy 8 -> 2).
 GSM8K_STOP = ("rollout.stop_pattern=####[^\\n]*\\n",)
-GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=6", "actor.optim.lr=2e-5", "actor.ppo_epochs=1",
+GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=6", "actor.optim.lr=1e-6", "actor.ppo_epochs=1",
                "critic.ppo_epochs=1", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
                "rollout.temperature=0.7", "rollout.n=4", "data.train_batch_size=4", "reward.method=numeric",
-               "reward.format_score=0.1", "reward.format_requires_marker=true", "critic.value_head_init=zeros",
-               *GSM8K_STOP)
+               "reward.format_score=0.0", "algorithm.adv_estimator=grpo", *GSM8K_STOP)
 GSM8K_EVAL = ("reward.method=numeric", "reward.format_score=0.0", *GSM8K_STOP)
 # offline: the dumping run samples as ARITH_TRAIN does (8 prompts x 4 at temperature 0.7: 32 rows a step, rewards of
 # mixed quality) with an actor that never changes (critic_warmup); the offline runs take those 32 rows a step, in
