@@ -54,7 +54,8 @@ ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.tra
 # GSM8K default). Every format score tried was gamed: sessions 15-16 trained on verl's strict rule with format_score
 # 0.1 (right "#### N" 1, wrong "#### N" 0.1), which ranks a right prose answer below a wrong "#### N"; session 17
 # gave 0.1 to a wrong answer marked "#### N" only (reward.format_requires_marker), and in session 18 that policy,
-# stopped after its marker line, ended 241 of 256 greedy answers with "#### 1" or "#### 2" (accuracy 8 -> 2 of 256).
+# stopped after its marker line, ended 241 of 256 greedy answers with "#### N", N mostly one digit ("1" 81 times,
+# "2" 61), whatever the reasoning computed (accuracy 8 -> 2 of 256).
 # Every GSM8K eval (before and after) scores with the numeric rule and no format score (GSM8K_EVAL), and reports the
 # "####" rate beside it.
 # The value head starts at zero (critic.value_head_init=zeros): a fresh normal(0, 0.02) head gives values that vary
@@ -72,6 +73,8 @@ ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.tra
 # are the critic's noise at unit scale and the actor took full-size steps on it; a GRPO group of 4 wrong answers has
 # advantage 0. Actor lr 1e-6 (verl's default; chosen after the 2e-5 GRPO run, gsm8k_grpo_s1.json, where one step's
 # update from one right answer, carried on by Adam's momentum, changed all 256 greedy answers: accuracy 8 -> 2).
+# The lr and value-head lines above are sessions 15-17's GAE runs; the critic.* overrides are unused under GRPO (kept
+# so --reuse still matches the recorded run's command).
 GSM8K_STOP = ("rollout.stop_pattern=####[^\\n]*\\n",)
 GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=6", "actor.optim.lr=1e-6", "actor.ppo_epochs=1",
                "critic.ppo_epochs=1", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
