@@ -73,13 +73,17 @@ ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.tra
 # are the critic's noise at unit scale and the actor took full-size steps on it; a GRPO group of 4 wrong answers has
 # advantage 0. Actor lr 1e-6 (verl's default; chosen after the 2e-5 GRPO run, gsm8k_grpo_s1.json, where one step's
 # update from one right answer, carried on by Adam's momentum, changed all 256 greedy answers: accuracy 8 -> 2).
-# The lr and value-head lines above are sessions 15-17's GAE runs; the critic.* overrides are unused under GRPO (kept
-# so --reuse still matches the recorded run's command).
+# The lr and value-head lines above are sessions 15-17's GAE runs.
+# Session 19: at lr 1e-6 with correctness only (gsm8k_grpo1e6_s1.json: 8 -> 7, "####" rate 0.129 -> 0.109) only 3 of
+# 12 steps had a right answer in a group, so the actor hardly moved and nothing rewarded the marker. The table's runs
+# add a marker format score (0.1 for a wrong answer marked "#### N") and keep it a tenth of a right answer's weight:
+# GRPO without the division by the group's std (Dr. GRPO; with it, a group [0.1, 0, 0, 0] gets the same advantages as
+# [1, 0, 0, 0], which is how the format score was gamed); lr 2e-6, a tenth of the lr at which it was gamed.
 GSM8K_STOP = ("rollout.stop_pattern=####[^\\n]*\\n",)
-GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=6", "actor.optim.lr=1e-6", "actor.ppo_epochs=1",
-               "critic.ppo_epochs=1", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
-               "rollout.temperature=0.7", "rollout.n=4", "data.train_batch_size=4", "reward.method=numeric",
-               "reward.format_score=0.0", "algorithm.adv_estimator=grpo", *GSM8K_STOP)
+GSM8K_TRAIN = ("data.val_max_samples=64", "trainer.test_freq=6", "actor.optim.lr=2e-6", "actor.ppo_epochs=1",
+               "actor.ppo_mini_batch_size=2", "rollout.temperature=0.7", "rollout.n=4", "data.train_batch_size=4",
+               "reward.method=numeric", "reward.format_score=0.1", "reward.format_requires_marker=true",
+               "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false", *GSM8K_STOP)
 GSM8K_EVAL = ("reward.method=numeric", "reward.format_score=0.0", *GSM8K_STOP)
 # offline: the dumping run samples as ARITH_TRAIN does (8 prompts x 4 at temperature 0.7: 32 rows a step, rewards of
 # mixed quality) with an actor that never changes (critic_warmup); the offline runs take those 32 rows a step, in
@@ -88,7 +92,7 @@ GSM8K_EVAL = ("reward.method=numeric", "reward.format_score=0.0", *GSM8K_STOP)
 OFFLINE_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "data.train_batch_size=32", "actor.ppo_mini_batch_size=16",
                  "critic.ppo_mini_batch_size=16")
 FULL_COMMAND = ("python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 12 "
-                "--offline-steps 25 --gsm8k-full")
+                "--offline-steps 25 --gsm8k-full --gsm8k-check")
 NOTES_MARK = "<!-- notes: written by people, kept when this tool rewrites the page -->"
 OFFLINE = (("token_is", ("algorithm.rollout_correction.rollout_is=token",
                          "algorithm.rollout_correction.rollout_is_threshold=2.0")), ("no_is", ()))
@@ -242,6 +246,33 @@ def strict_accuracy(work: Path, eval_name: str) -> dict:
     return {"accuracy": right / len(rows), "accuracy_ci95": list(wilson_interval(right, len(rows))), "n": len(rows)}
 
 
+def question_slice(src: Path, dst: Path, start: int, n: int) -> Path:
+    """Rows [start, start + n) of ``src`` written as ``dst`` (eval reads a file's first n rows): the GSM8K check
+    slice, questions no setting was chosen on (every setting was picked on the first SUBSET)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(src)
+    if table.num_rows < start + n:
+        raise SystemExit(f"{src}: {table.num_rows} rows, the check slice needs rows {start}..{start + n - 1}")
+    part = table.slice(start, n)
+    if not (dst.is_file() and pq.read_table(dst).equals(part)):
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(part, dst)
+    return dst
+
+
+def check_lines(runs: list[dict]) -> list[str]:
+    """One line per run that has a check-slice eval (``--gsm8k-check``): base -> after there, with the "####" rate."""
+    lines = []
+    for r in runs:
+        if r.get("check"):
+            b, a = r["check"]["base"], r["check"]["after"]
+            lines.append(f"Seed {r['seed']} on test questions {SUBSET + 1}-{SUBSET + a['n']} (no setting was chosen on "
+                         f"them; greedy): {acc(b)} -> {acc(a)}, {round(b['accuracy'] * b['n'])} -> "
+                         f"{round(a['accuracy'] * a['n'])} right{strict_cell(b, a)}.")
+    return lines
+
+
 def save_record(page_dir: Path, record: dict) -> dict:
     page_dir.mkdir(parents=True, exist_ok=True)
     (page_dir / f"{record['name']}.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
@@ -360,6 +391,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--offline-steps", type=int, default=25, help="0: skip the offline runs")
     p.add_argument("--tasks", nargs="+", default=["arithmetic", "gsm8k"], choices=["arithmetic", "gsm8k"])
     p.add_argument("--gsm8k-full", action="store_true", help="also evaluate the base on all 1,319 test questions")
+    p.add_argument("--gsm8k-check", action="store_true", help=f"also evaluate the base and each GSM8K run on test "
+                   f"questions {SUBSET + 1}-{2 * SUBSET}, on which no setting was chosen (~7 min an eval)")
     p.add_argument("--work", default="outputs/bench_learning_smollm2")
     p.add_argument("--out", default="docs/bench/learning_smollm2.md")
     p.add_argument("--reuse", action="store_true", help="keep the runs and evals of an earlier pass that finished")
@@ -410,6 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     if "gsm8k" in args.tasks:
         base = evaluate(work, "gsm8k_base", MODEL, GSM8K / "test.parquet", SUBSET, *GSM8K_EVAL, reuse=args.reuse)
         base_strict = strict_accuracy(work, "gsm8k_base")
+        if args.gsm8k_check:
+            check = question_slice(GSM8K / "test.parquet", work / "gsm8k_check" / "test.parquet", SUBSET, SUBSET)
+            check_base = evaluate(work, "gsm8k_check_base", MODEL, check, SUBSET, *GSM8K_EVAL, reuse=args.reuse)
         for seed in args.seeds:
             name = f"gsm8k_s{seed}"
             actor, wall = train(work, name, args.gsm8k_steps, f"trainer.seed={seed}", f"data.seed={seed}",
@@ -417,6 +453,10 @@ def main(argv: list[str] | None = None) -> None:
             after = evaluate(work, name, actor, GSM8K / "test.parquet", SUBSET, *GSM8K_EVAL, reuse=args.reuse)
             record = run_record(work, name, seed, base, after, wall, args.gsm8k_steps, None)
             record["strict"] = {"base": base_strict, "after": strict_accuracy(work, name)}
+            if args.gsm8k_check:
+                check_after = evaluate(work, f"{name}_check", actor, check, SUBSET, *GSM8K_EVAL, reuse=args.reuse)
+                record["check"] = {"base": {k: check_base.get(k) for k in EVAL_KEYS},
+                                   "after": {k: check_after.get(k) for k in EVAL_KEYS}}
             save_record(page_dir, record)
             copy_curves(work / name, page_dir, name)
             print(f"{name}: {base['accuracy']:.3f} -> {after['accuracy']:.3f} in {wall / 60:.1f} min", flush=True)
@@ -429,6 +469,8 @@ def main(argv: list[str] | None = None) -> None:
         sections += task_section(f"GSM8K (train split -> the first {SUBSET} test questions)", gsm8k_runs, page_dir,
                                  "accuracy after >= before (with its interval); the format rate rises (the "
                                  "\"####\" rate: under the numeric rule every base answer already has a number).")
+        checked = check_lines(gsm8k_runs)
+        sections += [""] + checked if checked else []
     if (page_dir / "gsm8k_base_full.json").is_file():
         record = json.loads((page_dir / "gsm8k_base_full.json").read_text())
         full, strict = record["base"], record.get("strict", {}).get("base")

@@ -144,3 +144,27 @@ def test_stopping_the_tool_stops_its_training_child(tmp_path):
     except ProcessLookupError:
         alive = False
     assert not alive, f"child {child_pid} outlived the tool"
+
+
+def test_the_check_slice_is_the_rows_after_the_subset_and_its_line_counts_right_answers(tmp_path):
+    """--gsm8k-check scores questions 257-512, on which no setting was chosen: the slice must be exactly those rows
+    (not the first 256 again), and the page line must say base -> after for each seed that has it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "test.parquet"
+    pq.write_table(pa.table({"row_id": list(range(600))}), src)
+    dst = bench.question_slice(src, tmp_path / "check" / "test.parquet", bench.SUBSET, bench.SUBSET)
+    assert pq.read_table(dst)["row_id"].to_pylist() == list(range(256, 512))
+    pq.write_table(pa.table({"row_id": list(range(300))}), src)  # a changed source is re-sliced, or refused
+    try:
+        bench.question_slice(src, dst, bench.SUBSET, bench.SUBSET)
+        raise AssertionError("a 300-row source cannot give rows 256-511")
+    except SystemExit as e:
+        assert "rows 256..511" in str(e)
+    base, after = {**_eval(10 / 256, 200.0), "strict_format_rate": 0.1}, {**_eval(13 / 256, 190.0),
+                                                                           "strict_format_rate": 0.2}
+    runs = [{"seed": 1, "check": {"base": base, "after": after}}, {"seed": 2}]
+    lines = bench.check_lines(runs)
+    assert len(lines) == 1 and lines[0].startswith("Seed 1 on test questions 257-512 ")
+    assert "10 -> 13 right (####: 0.100 -> 0.200)." in lines[0]
