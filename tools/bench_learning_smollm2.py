@@ -261,6 +261,12 @@ def question_slice(src: Path, dst: Path, start: int, n: int) -> Path:
     return dst
 
 
+def settings_line(name: str, train_overrides: tuple, eval_overrides: tuple) -> list[str]:
+    """The overrides a section's runs add to the recipe (the tool's constants, commented there with the why)."""
+    return ["", f"Settings: the recipe with {name} `{' '.join(train_overrides)}`; the evals add "
+            f"`{' '.join(eval_overrides)}` (a checkpoint's eval starts from its run's config).", ""]
+
+
 def check_lines(runs: list[dict]) -> list[str]:
     """One line per run that has a check-slice eval (``--gsm8k-check``): base -> after there, with the "####" rate."""
     lines = []
@@ -438,6 +444,7 @@ def main(argv: list[str] | None = None) -> None:
         sections += task_section("Arithmetic (1-2 digit + - x, 256 held-out questions)", arith_runs, page_dir,
                                  "held-out accuracy +15 points (or the error rate halved) within 60 minutes, every "
                                  "seed.")
+        sections += settings_line("ARITH_TRAIN", ARITH_TRAIN, ARITH_OVERRIDES)
         sections += ["Correct greedy answers per question kind:"] + kind_table(
             [("base", arith_runs[0]["base_kinds"])] + [(f"seed {r['seed']}", r["kinds"]) for r in arith_runs])
     if "gsm8k" in args.tasks:
@@ -471,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
                                  "\"####\" rate: under the numeric rule every base answer already has a number).")
         checked = check_lines(gsm8k_runs)
         sections += [""] + checked if checked else []
+        sections += settings_line("GSM8K_TRAIN", GSM8K_TRAIN, GSM8K_EVAL)
     if (page_dir / "gsm8k_base_full.json").is_file():
         record = json.loads((page_dir / "gsm8k_base_full.json").read_text())
         full, strict = record["base"], record.get("strict", {}).get("base")
@@ -501,6 +509,7 @@ def main(argv: list[str] | None = None) -> None:
                                  "rows (temperature 0.7), offline PPO from the same base, one pass; the seed column "
                                  "names the correction",
                                  offline_runs, page_dir, "held-out accuracy rises with token-level IS.")
+        sections += settings_line("OFFLINE_TRAIN", OFFLINE_TRAIN, ARITH_OVERRIDES)
         sections += ["Correct greedy answers per question kind:"] + kind_table(
             [("base", offline_runs[0]["base_kinds"])] + [(str(r["seed"]), r["kinds"]) for r in offline_runs])
     pending = [what for what, missing in (
@@ -513,9 +522,9 @@ def main(argv: list[str] | None = None) -> None:
         sections += ["", "**Not on this page yet, still to run:** " + "; ".join(pending) + "."]
     lines = ["# Learning on a real pretrained model: SmolLM2-135M-Instruct, accuracy before and after PPO (issue 26)",
              "", "Produced by `tools/bench_learning_smollm2.py` (`tools/bench_learning.py --model smollm2`): "
-             "configs/smollm2_gsm8k.yaml (actor, reference and critic from SmolLM2-135M-Instruct; GAE; Ray, one rank "
-             "per role with both cores' threads), accuracy by `megatron-ppo eval` (greedy, the checkpoint of the "
-             "last step) on held-out test questions; intervals are 95% Wilson intervals over the questions.", "",
+             "configs/smollm2_gsm8k.yaml (actor, reference and critic from SmolLM2-135M-Instruct; GAE, GRPO for "
+             "GSM8K; Ray, one rank per role with both cores' threads), accuracy by `megatron-ppo eval` (greedy, the "
+             "checkpoint of the last step) on held-out test questions; intervals are 95% Wilson intervals over the questions.", "",
              f"The whole benchmark is one command (~6 hours on 2 cores): `{FULL_COMMAND}`. Each run keeps its row "
              "as a record beside the page (learning_smollm2/<run>.json), so passes with `--reuse` that run some of "
              "it (other seeds, other sessions) add to one page; this page's last pass: "

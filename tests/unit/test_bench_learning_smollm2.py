@@ -168,3 +168,9 @@ def test_the_check_slice_is_the_rows_after_the_subset_and_its_line_counts_right_
     lines = bench.check_lines(runs)
     assert len(lines) == 1 and lines[0].startswith("Seed 1 on test questions 257-512 ")
     assert "10 -> 13 right (####: 0.100 -> 0.200)." in lines[0]
+
+
+def test_the_settings_line_names_every_override_a_section_ran_with():
+    line = "".join(bench.settings_line("GSM8K_TRAIN", bench.GSM8K_TRAIN, bench.GSM8K_EVAL))
+    assert all(f"{o}" in line for o in (*bench.GSM8K_TRAIN, *bench.GSM8K_EVAL))
+    assert "`data.val_max_samples=64 trainer.test_freq=6 actor.optim.lr=2e-6 " in line
