@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -210,7 +211,7 @@ EVAL_KEYS = ("accuracy", "accuracy_ci95", "format_rate", "strict_format_rate", "
 
 
 def run_record(work: Path, name: str, seed, base: dict, after: dict, wall: float, steps: int,
-               kinds: dict | None = None, base_kinds: dict | None = None) -> dict:
+               kinds: dict | None = None, base_kinds: dict | None = None, base_eval: str | None = None) -> dict:
     """What the page shows of one run, kept as <page dir>/<name>.json: a run takes an hour of 2 cores, so a later
     pass (another session, another seed) adds its rows to the earlier ones instead of needing their run dirs."""
     run = work / name
@@ -224,6 +225,7 @@ def run_record(work: Path, name: str, seed, base: dict, after: dict, wall: float
             "machine_peak_gib": peak_from_csv(run / "memory.csv"),
             "critic_explained_var": spread(series(run, "critic/vf_explained_var")),
             "clip_ratio_ends": ends_pair(series(run, "response_length/clip_ratio")),
+            "paired": paired(work, base_eval, name) if base_eval else None,
             "source": f"tools/bench_learning_smollm2.py, run dir {run}"}
 
 
@@ -244,6 +246,38 @@ def strict_accuracy(work: Path, eval_name: str) -> dict:
     rows = [json.loads(line) for line in lines if line.strip()]
     right = sum(compute_score(r["response"], r["ground_truth"], mode="strict") >= 1.0 for r in rows)
     return {"accuracy": right / len(rows), "accuracy_ci95": list(wilson_interval(right, len(rows))), "n": len(rows)}
+
+
+def mcnemar_p(gained: int, lost: int) -> float:
+    """McNemar's exact two-sided p-value: the chance, were the run no better or worse than the base, of a split of
+    the changed questions at least this uneven (a binomial(gained + lost, 1/2) tail, doubled)."""
+    n = gained + lost
+    return 1.0 if n == 0 else min(1.0, 2 * sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2 ** n)
+
+
+def paired(work: Path, base_eval: str, after_eval: str) -> dict | None:
+    """Question by question, two evals of the same questions (their samples.jsonl): how many the run got right that
+    the base got wrong (gained) and the reverse (lost). On a base right 3 % of the time the two accuracies' intervals
+    overlap whatever happens; the paired split says whether a change is more than answers flipping."""
+    files = [work / f"eval_{name}" / "samples.jsonl" for name in (base_eval, after_eval)]
+    if not all(f.is_file() for f in files):
+        return None
+    base, after = ({r["row"]: bool(r["correct"]) for r in map(json.loads, f.read_text().splitlines())}
+                   for f in files)
+    if base.keys() != after.keys():
+        raise SystemExit(f"{files[0]} and {files[1]} score different questions: not a paired comparison")
+    gained = sum(after[k] and not base[k] for k in base)
+    lost = sum(base[k] and not after[k] for k in base)
+    return {"gained": gained, "lost": lost, "mcnemar_p": mcnemar_p(gained, lost)}
+
+
+def seed_label(record: dict) -> str:
+    """'Seed 2' for a seed, the column's text as it is for an offline run ('token_is, seed 2')."""
+    return record["seed"] if isinstance(record["seed"], str) else f"Seed {record['seed']}"
+
+
+def paired_text(p: dict) -> str:
+    return f"{p['gained']} gained, {p['lost']} lost (exact McNemar p = {p['mcnemar_p']:.3f})"
 
 
 def question_slice(src: Path, dst: Path, start: int, n: int) -> Path:
@@ -275,7 +309,8 @@ def check_lines(runs: list[dict]) -> list[str]:
             b, a = r["check"]["base"], r["check"]["after"]
             lines.append(f"Seed {r['seed']} on test questions {SUBSET + 1}-{SUBSET + a['n']} (no setting was chosen on "
                          f"them; greedy): {acc(b)} -> {acc(a)}, {round(b['accuracy'] * b['n'])} -> "
-                         f"{round(a['accuracy'] * a['n'])} right{strict_cell(b, a)}.")
+                         f"{round(a['accuracy'] * a['n'])} right{strict_cell(b, a)}"
+                         + (f"; {paired_text(r['check']['paired'])}." if r["check"].get("paired") else "."))
     return lines
 
 
@@ -343,6 +378,8 @@ def task_section(title: str, runs: list[dict], page_dir: Path, goal: str) -> lis
     lines += [f"{r['seed']}: mean IS weight {ends(r.get('is_weight_ends'))}, KL(behaviour || current) "
               f"{ends(r.get('behaviour_kl_ends'))} (first -> last quarter; rollout_corr/*)." for r in runs
               if r.get("is_weight_ends") or r.get("behaviour_kl_ends")]
+    lines += [f"{seed_label(r)}, question by question against the base: {paired_text(r['paired'])}."
+              for r in runs if r.get("paired")]
     lines += [f"Seed {r['seed']}, scored by verl's strict rule (\"#### N\", the rule of verl's GSM8K numbers; "
               f"rescored from the same responses): {acc(r['strict']['base'])} -> {acc(r['strict']['after'])}."
               for r in runs if r.get("strict")]
@@ -436,7 +473,8 @@ def main(argv: list[str] | None = None) -> None:
                                 *arith_data, *ARITH_TRAIN, reuse=args.reuse)
             after = evaluate(work, name, actor, test, SUBSET, reuse=args.reuse)
             save_record(page_dir, run_record(work, name, seed, base, after, wall, args.arith_steps,
-                                             by_kind(work, name, test), by_kind(work, "arith_base", test)))
+                                             by_kind(work, name, test), by_kind(work, "arith_base", test),
+                                             "arith_base"))
             copy_curves(work / name, page_dir, name)
             print(f"{name}: {base['accuracy']:.3f} -> {after['accuracy']:.3f} in {wall / 60:.1f} min", flush=True)
     arith_runs = load_records(page_dir, "arith_s")
@@ -458,12 +496,13 @@ def main(argv: list[str] | None = None) -> None:
             actor, wall = train(work, name, args.gsm8k_steps, f"trainer.seed={seed}", f"data.seed={seed}",
                                 *GSM8K_TRAIN, reuse=args.reuse)
             after = evaluate(work, name, actor, GSM8K / "test.parquet", SUBSET, *GSM8K_EVAL, reuse=args.reuse)
-            record = run_record(work, name, seed, base, after, wall, args.gsm8k_steps, None)
+            record = run_record(work, name, seed, base, after, wall, args.gsm8k_steps, None, base_eval="gsm8k_base")
             record["strict"] = {"base": base_strict, "after": strict_accuracy(work, name)}
             if args.gsm8k_check:
                 check_after = evaluate(work, f"{name}_check", actor, check, SUBSET, *GSM8K_EVAL, reuse=args.reuse)
                 record["check"] = {"base": {k: check_base.get(k) for k in EVAL_KEYS},
-                                   "after": {k: check_after.get(k) for k in EVAL_KEYS}}
+                                   "after": {k: check_after.get(k) for k in EVAL_KEYS},
+                                   "paired": paired(work, "gsm8k_check_base", f"{name}_check")}
             save_record(page_dir, record)
             copy_curves(work / name, page_dir, name)
             print(f"{name}: {base['accuracy']:.3f} -> {after['accuracy']:.3f} in {wall / 60:.1f} min", flush=True)
@@ -501,7 +540,8 @@ def main(argv: list[str] | None = None) -> None:
                                 *extra, reuse=args.reuse)
             after = evaluate(work, name, actor, test, SUBSET, reuse=args.reuse)
             save_record(page_dir, run_record(work, name, f"{variant}, seed {seed}", base, after, wall, steps,
-                                             by_kind(work, name, test), by_kind(work, "arith_base", test)))
+                                             by_kind(work, name, test), by_kind(work, "arith_base", test),
+                                             "arith_base"))
             copy_curves(work / name, page_dir, name)
     offline_runs = load_records(page_dir, "offline_")
     if offline_runs:

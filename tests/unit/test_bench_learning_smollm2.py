@@ -174,3 +174,27 @@ def test_the_settings_line_names_every_override_a_section_ran_with():
     line = "".join(bench.settings_line("GSM8K_TRAIN", bench.GSM8K_TRAIN, bench.GSM8K_EVAL))
     assert all(f"{o}" in line for o in (*bench.GSM8K_TRAIN, *bench.GSM8K_EVAL))
     assert "`data.val_max_samples=64 trainer.test_freq=6 actor.optim.lr=2e-6 " in line
+
+
+def test_the_paired_split_counts_questions_gained_and_lost_and_its_exact_p_value(tmp_path):
+    """GSM8K accuracies of 3 % overlap whatever a run does; the page's paired split (gained / lost against the base,
+    McNemar's exact p) is what tells a change from answers flipping, so it must count the right questions."""
+    work = tmp_path / "work"
+    for name, right in (("base", {1, 2, 3, 4, 5, 6, 7, 8}), ("run", {1, 2, 9})):
+        (work / f"eval_{name}").mkdir(parents=True)
+        (work / f"eval_{name}" / "samples.jsonl").write_text("".join(
+            json.dumps({"row": i, "correct": i in right}) + "\n" for i in range(20)))
+    split = bench.paired(work, "base", "run")
+    assert (split["gained"], split["lost"]) == (1, 6)
+    assert split["mcnemar_p"] == 2 * (1 + 7) / 2 ** 7  # binomial(7, 1/2): P(X <= 1), doubled
+    assert bench.mcnemar_p(0, 0) == 1.0 and bench.mcnemar_p(5, 5) == 1.0 and bench.mcnemar_p(0, 10) == 2 / 2 ** 10
+    assert bench.paired(work, "base", "missing") is None
+    runs = [{"seed": 2, "paired": split, "base": _eval(0.4, 1.0), "after": _eval(0.15, 1.0), "reward_ends": None,
+             "kl_k3_ends": None, "steps": 1, "wall_s": 60.0, "date": "d", "source": "s", "name": "x"},
+            {"seed": "token_is, seed 2", "paired": split, "base": _eval(0.4, 1.0), "after": _eval(0.15, 1.0),
+             "reward_ends": None, "kl_k3_ends": None, "steps": 1, "wall_s": 60.0, "date": "d", "source": "s",
+             "name": "y"}]
+    lines = bench.task_section("t", runs, tmp_path, "g")
+    assert "Seed 2, question by question against the base: 1 gained, 6 lost (exact McNemar p = 0.125)." in lines
+    assert "token_is, seed 2, question by question against the base: 1 gained, 6 lost (exact McNemar p = 0.125)." \
+        in lines
