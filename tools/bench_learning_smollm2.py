@@ -3,7 +3,8 @@
 
 - arithmetic: `megatron-ppo preprocess arithmetic --level multi` (six kinds of 1-2 digit + - x, docs/data.md; its
   test questions are a held-out pool train never draws from), 256 test questions, accuracy also per kind;
-- gsm8k: GSM8K train -> the first 256 questions of the test split (`--gsm8k-full` also evaluates all 1,319 once);
+- gsm8k: GSM8K train -> the first 256 questions of the test split (`--gsm8k-full` also evaluates all 1,319 once;
+  `--gsm8k-check` also questions 257-512, on which no setting was chosen);
 - offline (arithmetic): the base model dumps trajectories (rollout.dump_dir; the actor never changes while
   dumping), then offline PPO from the same base with token-level truncated IS (threshold 2) and without.
 
@@ -11,7 +12,8 @@ Per run: reward, KL, entropy, response length and validation curves (the run's c
 page), the checkpoint of the last step evaluated. Writes docs/bench/learning_smollm2.md (then run
 tools/collect_benchmarks.py). `tools/bench_learning.py --model smollm2 ...` runs this.
 
-    python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 12 --offline-steps 25 --gsm8k-full
+    python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 12 --offline-steps 25 \
+        --gsm8k-full --gsm8k-check
 """
 from __future__ import annotations
 

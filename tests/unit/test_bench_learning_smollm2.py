@@ -172,7 +172,7 @@ def test_the_check_slice_is_the_rows_after_the_subset_and_its_line_counts_right_
 
 def test_the_settings_line_names_every_override_a_section_ran_with():
     line = "".join(bench.settings_line("GSM8K_TRAIN", bench.GSM8K_TRAIN, bench.GSM8K_EVAL))
-    assert all(f"{o}" in line for o in (*bench.GSM8K_TRAIN, *bench.GSM8K_EVAL))
+    assert all(o in line for o in (*bench.GSM8K_TRAIN, *bench.GSM8K_EVAL))
     assert "`data.val_max_samples=64 trainer.test_freq=6 actor.optim.lr=2e-6 " in line
 
 
