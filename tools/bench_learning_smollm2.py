@@ -53,9 +53,10 @@ ARITH_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "rollout.n=4", "data.tra
 # one PPO epoch in mini-batches of 2 prompts, actor lr 2e-5 (the arithmetic lr; at 1e-5 the first try's KL stayed
 # ~1e-4 and its sampled reward flat for 11 steps), validation on 64 test questions every 6 steps (~2 min each).
 # Measured (session 15): ~95-150 s a step on 2 cores (generation, log-probs, critic and actor updates ~25-40 s each).
-# Reward (session 18): the numeric rule (a right answer in any form scores 1, anything else 0; format_score 0, verl's
-# GSM8K default). Every format score tried was gamed: sessions 15-16 trained on verl's strict rule with format_score
-# 0.1 (right "#### N" 1, wrong "#### N" 0.1), which ranks a right prose answer below a wrong "#### N"; session 17
+# Reward in session 18 (session 19's is below): the numeric rule (a right answer in any form scores 1, anything else
+# 0; format_score 0, verl's GSM8K default). Every format score tried was gamed: sessions 15-16 trained on verl's
+# strict rule with format_score 0.1 (right "#### N" 1, wrong "#### N" 0.1), which ranks a right prose answer below a
+# wrong "#### N"; session 17
 # gave 0.1 to a wrong answer marked "#### N" only (reward.format_requires_marker), and in session 18 that policy,
 # stopped after its marker line, ended 241 of 256 greedy answers with "#### N", N mostly one digit ("1" 81 times,
 # "2" 61), whatever the reasoning computed (accuracy 8 -> 2 of 256).
