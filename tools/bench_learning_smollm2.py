@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,6 +96,21 @@ GSM8K_EVAL = ("reward.method=numeric", "reward.format_score=0.0", *GSM8K_STOP)
 # the dump's temperature (offline refuses another: rollout/offline.py)
 OFFLINE_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "data.train_batch_size=32", "actor.ppo_mini_batch_size=16",
                  "critic.ppo_mini_batch_size=16")
+# GSM8K on one GPU (--device cuda): GSM8K_TRAIN with 32x the samples a step (64 prompts x 8 instead of 4 x 4), in
+# mini-batches of 16 prompts (4 optimizer steps a batch, 2 on the CPU). On 2 cores such a step is ~8 min (session 19
+# measured 494 s for 16 x 8); on the GPU the Megatron engine's decode loop is launch-bound, so the step costs about
+# what a small one does. Everything else is GSM8K_TRAIN's (lr, reward, GRPO without the std division, the stop) and
+# float32 as the recipe, so the one change from the CPU table is the samples a step. Validation on all 256 questions
+# (one greedy batch costs what 64 do). One process (launcher=local: a GPU image's python has no Ray), the seeds side
+# by side on the one GPU (each process is launch-bound, so two share it).
+GPU_RUN = ("cluster.launcher=local", "cluster.device=cuda")
+GSM8K_GPU = ("data.train_batch_size=64", "rollout.n=8", "actor.ppo_mini_batch_size=16",
+             "actor.ppo_max_token_len_per_gpu=8192", "ref.log_prob_max_token_len_per_gpu=8192",
+             "rollout.log_prob_max_token_len_per_gpu=8192", "data.val_max_samples=256", "data.val_batch_size=256",
+             "trainer.test_freq=4", "trainer.val_before_train=false")
+GPU_EVAL_BATCH = 256
+GPU_COMMAND = ("python tools/bench_learning_smollm2.py --device cuda --tasks gsm8k --seeds 1 2 --gsm8k-steps 8 "
+               "--offline-steps 0")
 FULL_COMMAND = ("python tools/bench_learning_smollm2.py --seeds 1 2 --arith-steps 40 --gsm8k-steps 12 "
                 "--offline-steps 25 --gsm8k-full --gsm8k-check")
 NOTES_MARK = "<!-- notes: written by people, kept when this tool rewrites the page -->"
@@ -116,18 +132,35 @@ def run_child(cmd: list[str], log: Path, env: dict, grace_s: float = 120.0) -> N
     preemption and shuts Ray down), SIGKILL after ``grace_s``."""
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)
+        RUNNING.add(proc)
         try:
             rc = proc.wait()
         except BaseException:
-            proc.terminate()
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_child(proc, grace_s)
             raise
+        finally:
+            RUNNING.discard(proc)
     if rc:
         raise subprocess.CalledProcessError(rc, cmd)
+
+
+RUNNING: set[subprocess.Popen] = set()  # run_child's live children: stop_children reaches those of other threads
+
+
+def stop_child(proc: subprocess.Popen, grace_s: float) -> None:
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def stop_children(grace_s: float = 120.0) -> None:
+    """Stop every child run_child is waiting on: SIGTERM raises SystemExit in the main thread only, so the
+    children of the seeds' threads (--device cuda) are stopped from there."""
+    for proc in list(RUNNING):
+        stop_child(proc, grace_s)
 
 
 def exit_on_sigterm() -> None:
@@ -143,10 +176,11 @@ def same_command(out: Path, args: list[str]) -> bool:
     return made.is_file() and json.loads(made.read_text()) == args
 
 
-def evaluate(work: Path, name: str, model: Path, data: Path, n: int, *overrides: str, reuse: bool) -> dict:
+def evaluate(work: Path, name: str, model: Path, data: Path, n: int, *overrides: str, reuse: bool,
+             batch_size: int | None = None) -> dict:
     out = work / f"eval_{name}"
     args = ["eval", "--model", str(model), "--data", str(data), "--n", str(n), "--out", str(out), "--samples", "-1",
-            *overrides]
+            *(["--batch-size", str(batch_size)] if batch_size else []), *overrides]
     if not (reuse and (out / "eval.json").is_file() and same_command(out, args)):
         out.mkdir(parents=True, exist_ok=True)
         (out / "command.json").unlink(missing_ok=True)
@@ -428,6 +462,59 @@ def base_section(work: Path, arith: Path, args) -> list[str]:
     return lines
 
 
+def gpu_name() -> str:
+    """The GPU the runs use and the torch that drives it, for the record (nvidia-smi: no CUDA context here)."""
+    import torch
+
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, check=True).stdout.splitlines()[0].strip()
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        name = "unknown GPU"
+    return f"{name}, torch {torch.__version__}"
+
+
+def gsm8k_gpu(work: Path, page_dir: Path, args) -> None:
+    """--device cuda: the GSM8K runs at GSM8K_GPU's scale, every seed side by side on the one GPU; the base is
+    evaluated on the same GPU (its greedy answers are the ones the runs are compared with)."""
+    test = GSM8K / "test.parquet"
+    base = evaluate(work, "gsm8k_gpu_base", MODEL, test, SUBSET, *GPU_RUN, *GSM8K_EVAL, reuse=args.reuse,
+                    batch_size=GPU_EVAL_BATCH)
+    base_strict = strict_accuracy(work, "gsm8k_gpu_base")
+    device = gpu_name()
+
+    def one_seed(seed: int) -> None:
+        name = f"gsm8k_gpu_s{seed}"
+        actor, wall = train(work, name, args.gsm8k_steps, f"trainer.seed={seed}", f"data.seed={seed}", *GSM8K_TRAIN,
+                            *GSM8K_GPU, *GPU_RUN, reuse=args.reuse)
+        after = evaluate(work, name, actor, test, SUBSET, *GSM8K_EVAL, reuse=args.reuse, batch_size=GPU_EVAL_BATCH)
+        record = run_record(work, name, seed, base, after, wall, args.gsm8k_steps, None, base_eval="gsm8k_gpu_base")
+        record.update(strict={"base": base_strict, "after": strict_accuracy(work, name)}, device=device,
+                      side_by_side=len(args.seeds))
+        save_record(page_dir, record)
+        copy_curves(work / name, page_dir, name)
+        print(f"{name}: {base['accuracy']:.3f} -> {after['accuracy']:.3f} in {wall / 60:.1f} min", flush=True)
+
+    with ThreadPoolExecutor(len(args.seeds)) as pool:
+        try:
+            list(pool.map(one_seed, args.seeds))
+        except BaseException:
+            stop_children()
+            raise
+
+
+def gpu_section(runs: list[dict], page_dir: Path) -> list[str]:
+    lines = task_section(f"GSM8K on one GPU, 32x the samples a step (64 prompts x 8; {runs[0]['device']})", runs,
+                         page_dir, "as above: accuracy after >= before (with its interval); the format rate rises.")
+    together = max(r.get("side_by_side", 1) for r in runs)
+    if together > 1:
+        lines += [f"The {together} seeds trained side by side on the one GPU: each wall time is of runs sharing it, "
+                  "and each memory peak is the machine's, both runs together.", ""]
+    lines += [f"Command (on a GPU machine): `{GPU_COMMAND}`."]
+    return lines + settings_line("GSM8K_TRAIN + GSM8K_GPU + GPU_RUN", (*GSM8K_TRAIN, *GSM8K_GPU, *GPU_RUN),
+                                 (*GPU_RUN, *GSM8K_EVAL))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
@@ -445,7 +532,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--base-only", action="store_true", help="evaluate the base model only (the training runs are "
                    "marked pending on the page)")
     p.add_argument("--n", type=int, default=SUBSET, help="test questions per task (default 256)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the GSM8K runs at GSM8K_GPU's "
+                   "scale on one GPU, the seeds side by side (records gsm8k_gpu_*; --tasks gsm8k --offline-steps 0)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and (args.tasks != ["gsm8k"] or args.offline_steps or args.base_only or args.gsm8k_full
+                                  or args.gsm8k_check):
+        p.error("--device cuda runs the GSM8K runs only: add --tasks gsm8k --offline-steps 0 (no --base-only, "
+                "--gsm8k-full or --gsm8k-check)")
     exit_on_sigterm()
     work = (REPO / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -488,7 +581,9 @@ def main(argv: list[str] | None = None) -> None:
         sections += settings_line("ARITH_TRAIN", ARITH_TRAIN, ARITH_OVERRIDES)
         sections += ["Correct greedy answers per question kind:"] + kind_table(
             [("base", arith_runs[0]["base_kinds"])] + [(f"seed {r['seed']}", r["kinds"]) for r in arith_runs])
-    if "gsm8k" in args.tasks:
+    if args.device == "cuda":
+        gsm8k_gpu(work, page_dir, args)
+    elif "gsm8k" in args.tasks:
         base = evaluate(work, "gsm8k_base", MODEL, GSM8K / "test.parquet", SUBSET, *GSM8K_EVAL, reuse=args.reuse)
         base_strict = strict_accuracy(work, "gsm8k_base")
         if args.gsm8k_check:
@@ -521,6 +616,9 @@ def main(argv: list[str] | None = None) -> None:
         checked = check_lines(gsm8k_runs)
         sections += [""] + checked if checked else []
         sections += settings_line("GSM8K_TRAIN", GSM8K_TRAIN, GSM8K_EVAL)
+    gpu_runs = load_records(page_dir, "gsm8k_gpu_s")
+    if gpu_runs:
+        sections += gpu_section(gpu_runs, page_dir)
     if (page_dir / "gsm8k_base_full.json").is_file():
         record = json.loads((page_dir / "gsm8k_base_full.json").read_text())
         full, strict = record["base"], record.get("strict", {}).get("base")

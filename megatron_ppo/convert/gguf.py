@@ -23,7 +23,8 @@ from megatron_ppo.errors import UsageError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STAMP = "source.json"
-CONVERTER_VERSION = 2  # in the stamp: a folder written by an older converter is rebuilt (2: eos/pad tokens fixed)
+CONVERTER_VERSION = 3  # in the stamp: a folder written by an older converter is rebuilt (2: eos/pad tokens fixed;
+# 3: no GGUF quantization_config left in config.json)
 
 
 def smollm2_gguf() -> Path:
@@ -69,7 +70,7 @@ def gguf_to_hf(gguf: str | Path, out: str | Path) -> Path:
         raise UsageError(f"--gguf {gguf}: a {loaded.config.model_type} model; only Llama-architecture GGUF files "
                          "are converted")
     fix_special_tokens(tok, loaded.config)
-    plain = LlamaForCausalLM(loaded.config)
+    plain = LlamaForCausalLM(drop_gguf_quantization(loaded.config))
     plain.load_state_dict(loaded.state_dict(), strict=True)  # a plain model: no GGUF quantisation config left
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent)
@@ -89,6 +90,15 @@ def gguf_to_hf(gguf: str | Path, out: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def drop_gguf_quantization(config):
+    """``config`` without the GGUF ``quantization_config`` that transformers >= 5.11 keeps on a de-quantised model.
+    Saved, it made config.json say ``quant_method: gguf`` with a GGUF file the folder does not hold, and
+    ``from_pretrained`` of the folder then looks for that GGUF quantiser; the weights saved are plain float32."""
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    return config
 
 
 def fix_special_tokens(tok, config) -> None:

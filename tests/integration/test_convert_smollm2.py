@@ -98,3 +98,17 @@ def test_the_cache_is_rebuilt_when_stale_incomplete_or_from_another_gguf(tmp_pat
     assert not is_built_from(out, source)  # a file changed size
     (out / "model.safetensors").unlink()
     assert not is_built_from(out, source)  # a file is missing
+
+
+def test_the_saved_config_names_no_gguf_quantization():
+    """transformers 5.17 (the GPU image's) keeps quant_method gguf on a de-quantised model's config; the folder
+    holds plain float32 safetensors, so config.json must not name a quantiser."""
+    from transformers import LlamaConfig
+
+    from megatron_ppo.convert.gguf import drop_gguf_quantization
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+                         vocab_size=32)
+    config.quantization_config = {"quant_method": "gguf", "gguf_file": "m.gguf", "dequantize": False}
+    saved = drop_gguf_quantization(config).to_dict()
+    assert "quantization_config" not in saved and saved["hidden_size"] == 64
