@@ -198,3 +198,98 @@ def test_the_paired_split_counts_questions_gained_and_lost_and_its_exact_p_value
     assert "Seed 2, question by question against the base: 1 gained, 6 lost (exact McNemar p = 0.125)." in lines
     assert "token_is, seed 2, question by question against the base: 1 gained, 6 lost (exact McNemar p = 0.125)." \
         in lines
+
+
+def test_device_cuda_runs_only_the_gsm8k_runs():
+    import pytest
+
+    for extra in ([], ["--tasks", "gsm8k"], ["--tasks", "gsm8k", "--offline-steps", "0", "--gsm8k-check"]):
+        with pytest.raises(SystemExit) as stopped:
+            bench.main(["--device", "cuda", *extra])
+        assert stopped.value.code == 2
+
+
+def test_the_gpu_setting_is_the_tables_with_its_scale_winning(tmp_path):
+    """GSM8K_GPU changes the samples a step and nothing the CPU table's setting decides (lr, reward, estimator,
+    stop); it comes after GSM8K_TRAIN, so its batch sizes are the ones that run."""
+    from megatron_ppo.config import load_config
+
+    cfg = load_config("smollm2_gsm8k", [*bench.GSM8K_TRAIN, *bench.GSM8K_GPU, *bench.GPU_RUN])
+    assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size) == (64, 8, 16)
+    assert (cfg.cluster.launcher, cfg.cluster.device) == ("local", "cuda")
+    assert cfg.actor.optim.lr == 2e-6 and cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.algorithm.norm_adv_by_std_in_grpo is False and cfg.reward.format_score == 0.1
+    assert cfg.rollout.stop_pattern == r"####[^\n]*\n" and cfg.rollout.temperature == 0.7
+    assert cfg.actor.model.dtype == "float32"
+
+
+def _fake_cli(calls: list):
+    """Stands in for `megatron-ppo train / eval` (their real runs are the benchmark): writes what each leaves
+    behind (a run's metrics and checkpoint dir, an eval's eval.json and samples) and records the arguments."""
+    def cli(log: Path, *args: str) -> float:
+        calls.append(args)
+        if args[0] == "train":
+            value = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if "=" in a}
+            _run_dir(Path(value["trainer.log_dir"]).parent, "", [0.1, 0.2])
+            steps = value["trainer.total_training_steps"]
+            (Path(value["trainer.default_local_dir"]) / f"global_step_{steps}" / "actor").mkdir(parents=True)
+        else:
+            out = Path(args[args.index("--out") + 1])
+            right = {0, 1} if "gsm8k_gpu_base" in out.name else {1, 2, 3}
+            (out / "eval.json").write_text(json.dumps({**_eval(len(right) / 4, 100.0), "strict_format_rate": 0.1}))
+            (out / "samples.jsonl").write_text("".join(json.dumps(
+                {"row": i, "correct": i in right, "response": "#### 1", "ground_truth": "1"}) + "\n"
+                for i in range(4)))
+        return 30.0
+    return cli
+
+
+def test_the_gpu_runs_train_every_seed_at_the_gpu_scale_and_keep_their_records(tmp_path, monkeypatch):
+    import argparse
+
+    calls: list = []
+    monkeypatch.setattr(bench, "cli", _fake_cli(calls))
+    work, page_dir = tmp_path / "work", tmp_path / "page"
+    bench.gsm8k_gpu(work, page_dir, argparse.Namespace(seeds=[1, 2], gsm8k_steps=3, reuse=False))
+    trains = [c for c in calls if c[0] == "train"]
+    assert sorted(next(a for a in c if a.startswith("trainer.seed=")) for c in trains) == [
+        "trainer.seed=1", "trainer.seed=2"]
+    for c in trains:
+        assert c.index("data.train_batch_size=64") > c.index("data.train_batch_size=4")  # the GPU scale wins
+        assert all(o in c for o in bench.GPU_RUN)
+    evals = [c for c in calls if c[0] == "eval"]
+    assert len(evals) == 3 and all(c[c.index("--batch-size") + 1] == "256" for c in evals)
+    assert all(o in evals[0] for o in bench.GPU_RUN)  # the base: an HF dir, evaluated on the GPU as the runs are
+    runs = bench.load_records(page_dir, "gsm8k_gpu_s")
+    assert [r["seed"] for r in runs] == [1, 2] and all(r["side_by_side"] == 2 for r in runs)
+    assert runs[0]["paired"]["gained"] == 2 and runs[0]["paired"]["lost"] == 1
+    assert bench.load_records(page_dir, "gsm8k_s") == []  # the CPU table's records stay apart
+    lines = bench.gpu_section(runs, page_dir)
+    assert lines[1].startswith("### GSM8K on one GPU, 32x the samples a step (64 prompts x 8; ")
+    assert any(line.startswith("The 2 seeds trained side by side on the one GPU") for line in lines)
+    assert f"Command (on a GPU machine): `{bench.GPU_COMMAND}`." in lines
+
+
+def test_stop_children_stops_a_child_another_thread_waits_on(tmp_path):
+    """--device cuda waits on its seeds' runs in threads, where SIGTERM's SystemExit never arrives."""
+    import subprocess
+    import threading
+    import time
+
+    errors: list = []
+
+    def seed():
+        try:
+            bench.run_child([sys.executable, "-c", "import time; time.sleep(120)"], tmp_path / "child.log", {})
+        except subprocess.CalledProcessError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=seed)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not bench.RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    bench.stop_children(grace_s=10)
+    thread.join(30)
+    assert not thread.is_alive() and len(errors) == 1 and not bench.RUNNING
