@@ -8,6 +8,10 @@
 - offline (arithmetic): the base model dumps trajectories (rollout.dump_dir; the actor never changes while
   dumping), then offline PPO from the same base with token-level truncated IS (threshold 2) and without.
 
+`--device cuda` (a GPU machine; tools/gpu_learning.sh carries what the device machine lacks): the GSM8K runs at 32x
+the samples a step (GSM8K_GPU), every seed side by side on the one GPU, the base evaluated there too; records
+gsm8k_gpu_*, a section of their own.
+
 Per run: reward, KL, entropy, response length and validation curves (the run's curves.png, copied next to the
 page), the checkpoint of the last step evaluated. Writes docs/bench/learning_smollm2.md (then run
 tools/collect_benchmarks.py). `tools/bench_learning.py --model smollm2 ...` runs this.
