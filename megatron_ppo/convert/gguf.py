@@ -93,9 +93,9 @@ def gguf_to_hf(gguf: str | Path, out: str | Path) -> Path:
 
 
 def drop_gguf_quantization(config):
-    """``config`` without the GGUF ``quantization_config`` that transformers >= 5.11 keeps on a de-quantised model.
-    Saved, it made config.json say ``quant_method: gguf`` with a GGUF file the folder does not hold, and
-    ``from_pretrained`` of the folder then looks for that GGUF quantiser; the weights saved are plain float32."""
+    """``config`` without the GGUF ``quantization_config`` that transformers 5.17 (the GPU image's; 5.10 did not)
+    keeps on a de-quantised model. Saved, config.json named a quantiser (``quant_method: gguf``) and a GGUF file the
+    folder does not hold, over weights that are plain float32."""
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config
     return config
