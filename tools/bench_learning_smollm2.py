@@ -105,8 +105,9 @@ OFFLINE_TRAIN = (*ARITH_OPTIM, "rollout.temperature=0.7", "data.train_batch_size
 # 19), so 64 x 8 would take ~30 min; on the GPU the Megatron engine's decode loop is launch-bound (session 12's GPU
 # check), so the step should cost about what a small one does (not measured yet). Everything else is GSM8K_TRAIN's
 # (lr, reward, GRPO without the std division, the stop) and float32 as the recipe, so the one change from the CPU
-# table is the samples a step. Validation on all 256 questions (one greedy batch costs what 64 do). One process (launcher=local: a GPU image's python has no Ray), the seeds side
-# by side on the one GPU (expected to share it well, each being launch-bound; not measured yet).
+# table is the samples a step. Validation on all 256 questions (one greedy batch costs what 64 do). One process
+# (launcher=local: a GPU image's python has no Ray), the seeds side by side on the one GPU (expected to share it
+# well, each being launch-bound; not measured yet).
 GPU_RUN = ("cluster.launcher=local", "cluster.device=cuda")
 GSM8K_GPU = ("data.train_batch_size=64", "rollout.n=8", "actor.ppo_mini_batch_size=16",
              "actor.ppo_max_token_len_per_gpu=8192", "ref.log_prob_max_token_len_per_gpu=8192",
