@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -28,6 +29,18 @@ def test_a_command_is_sampled_and_its_exit_status_kept(tmp_path, capsys):
     peak = sample_memory.peak_from_csv(out)
     assert peak == max(float(r.split(",")[1]) for r in rows[1:]) > 0
     assert f"machine peak: {peak:.2f} GiB" in capsys.readouterr().out
+
+
+def test_the_printed_peak_is_the_csvs_peak(tmp_path, capsys, monkeypatch):
+    """CI once printed 4.72 over a CSV whose peak row read 4.715: the sampler kept the unrounded value."""
+    total = 24 * sample_memory.GIB
+    used = int(4.7152 * sample_memory.GIB)  # 4.715 at the CSV's three decimals, 4.72 unrounded at two
+    monkeypatch.setattr(sample_memory.psutil, "virtual_memory",
+                        lambda: SimpleNamespace(total=total, available=total - used))
+    out = tmp_path / "mem.csv"
+    assert sample_memory.main(["--out", str(out), "--interval", "0.05", "--", sys.executable, "-c", "pass"]) == 0
+    assert sample_memory.peak_from_csv(out) == 4.715
+    assert "machine peak: 4.71 GiB used of 24.00" in capsys.readouterr().out
 
 
 def test_missing_or_empty_csv_has_no_peak(tmp_path):
