@@ -1,69 +1,76 @@
-"""A lean one-token decode forward over a megatron ``GPTModel`` stage: the same modules, without the scaffolding.
+"""The Megatron engine's static step: one forward of a ``GPTModel`` stage over a preallocated KV cache, for a prefill
+chunk or the one-token decode step, with no host read and (in decode) no shape that changes between steps.
 
-A decode step at a few rows spends much of its CPU time outside the matmuls (profiles: docs/bench/peer.md), much
-of it in the Python of ``GPTModel.forward`` -> ``TransformerBlock`` -> ``TransformerLayer`` -> ``Attention.forward``
-(rotary tables rebuilt each step, offload / recompute / fusion / nvtx branches, inference bookkeeping), once per
-layer. This step calls the same megatron modules and functions in the same order (norms,
-``get_query_key_value_tensors``, megatron's ``apply_rotary_pos_emb``, our ``SDPACoreAttention``, ``linear_proj``,
-megatron's bias-dropout-add, ``mlp``, the final norm and the output layer), so the logits are bit-identical to the
-full forward (tests/integration/test_generation_decode_step.py), and tensor parallelism works through the
-modules' own collectives.
+Why a step of our own and not ``GPTModel.forward`` with megatron's ``StaticInferenceContext``: megatron's cache grows
+by Python slices (``k_mem[:pos+1]``), its offset is a Python int, its attention takes the core-attention module
+(TE's takes no arbitrary mask), it re-rotates the whole cached key every step and rebuilds the rotary table in every
+layer. A CUDA graph replays fixed addresses and shapes, so the decode step here is written for that
+(docs/rollout.md, "The static decode step"):
 
-It writes each new key (RoPE-rotated, as ``CachedRopeSelfAttention`` stores the prompt's keys) and value into the
-``StaticInferenceContext`` cache at column ``ctx.sequence_len_offset``; the caller advances the offset.
+* **Static cache**: ``StaticKVCache`` holds, per layer, K and V as ``[batch, groups, max_len, head_dim]`` (zeros,
+  allocated once per rollout for prompt width + max response). A step writes its keys (RoPE-rotated, at their
+  columns) with ``index_copy_`` at device-side column indices; the decode step attends over the whole cache with a
+  boolean mask built on the device from the row's first prompt column and the current position.
+* **Rotary** cos / sin once per forward (megatron's unfused formula, the same elementwise ops), not per layer.
+* **GQA without the math backend**: in decode the ``heads / groups`` query heads of a group become the query rows of
+  one SDPA call over that group's keys (``[B, groups, heads_per_group, d]`` against ``[B, groups, S, d]``), so K/V
+  are never repeated and the mask broadcasts; in prefill K/V are repeated to the query heads for the chunk only, so
+  SDPA keeps a fused (memory-efficient / CPU flash) kernel with a mask — never ``enable_gqa`` with a mask, which
+  sends SDPA to its math backend (an fp32 ``[B, H, s, s]`` matrix on a GPU).
+* **Modules, not a copy of them**: norms, ``get_query_key_value_tensors`` (so Transformer Engine's fused
+  layer-norm + QKV projection too), ``linear_proj``, megatron's bias-dropout-add, ``mlp``, the final norm and the
+  output layer are the layer's own modules; only the core attention (whichever the spec has: ours, megatron's
+  local, TE's) is replaced by the SDPA call over the static cache. Tensor parallelism works through the modules'
+  own collectives.
 
-On CPU in fp32 the step's GEMMs run on weights prepacked for oneDNN (``packed_linears``): megatron's linear
-layers call MKL's sgemm, which at a decode step's few rows runs well below oneDNN's prepacked kernel on the CPUs
-this was measured on. Packing is a small fixed cost per rollout (the actor's weights change between rollouts, so
-each rollout packs afresh); both measured in docs/bench/peer.md ("What session 3 changed", item 5; its rollout
-profiles show the packing as ``mkldnn::_reorder_linear_weight``). The GEMM's summation order differs from
-MKL's, so logits agree to fp32 rounding (~1e-6 relative), not bit for bit; the module path (``packed=False``) is
-bit-identical. Collectives and biases follow megatron's linear layers: row-parallel outputs are all-reduced over TP
-before their bias, the output layer's logits are all-gathered.
+On CPU in fp32 the GEMMs run on weights prepacked for oneDNN (``packed_linears``): megatron's linear layers call
+MKL's sgemm, which at a decode step's few rows runs well below oneDNN's prepacked kernel on the CPUs measured
+(docs/bench/peer.md, "What session 3 changed", item 5). Packing is a small fixed cost per rollout (the actor's
+weights change between rollouts). Collectives and biases follow megatron's linear layers: row-parallel outputs are
+all-reduced over TP before their bias, the output layer's logits are all-gathered.
 
 ``unsupported_reason(core)`` lists what the step does not cover (MoE, MLA, cross-attention, gated attention output,
-learned absolute positions, fused TP inference kernels, Transformer-Engine modules...); generation then takes
-megatron's full forward.
+learned absolute positions, sliding windows...); generation then takes megatron's full forward and says so in one
+WARNING line.
 """
 from __future__ import annotations
 
+import math
+
 import torch
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region)
-from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_ppo.models.attention import CachedRopeSelfAttention, SDPACoreAttention
-
 
 def unsupported_reason(core) -> str | None:
-    """None when ``decode_step`` reproduces this model stage's forward, else why not (generation falls back)."""
+    """None when the static step reproduces this model stage's forward, else why not (generation falls back)."""
     cfg = core.config
     flags = {
         "position_embedding_type != rope": getattr(core, "position_embedding_type", None) != "rope",
         "multi_latent_attention": getattr(cfg, "multi_latent_attention", False),
-        "flash_decode": cfg.flash_decode,
         "attention_output_gate": getattr(cfg, "attention_output_gate", False),
-        "sequence_parallel": cfg.sequence_parallel,
         "context_parallel_size > 1": cfg.context_parallel_size != 1,
         "fp32_residual_connection": cfg.fp32_residual_connection,
         "apply_residual_connection_post_layernorm": cfg.apply_residual_connection_post_layernorm,
-        "inference_fuse_tp_communication": getattr(cfg, "inference_fuse_tp_communication", False),
         "multi-token prediction": getattr(core, "mtp_process", False),
+        "window_size (sliding-window attention)": getattr(cfg, "window_size", None) is not None,
+        "softmax_type != vanilla": getattr(cfg, "softmax_type", "vanilla") != "vanilla",
+        "mrope": getattr(cfg, "mrope_section", None) is not None,
     }
     bad = [name for name, on in flags.items() if on]
     for layer in core.decoder.layers:
         if not isinstance(layer, TransformerLayer):
             bad.append(f"layer {type(layer).__name__}")
-        elif type(layer.self_attention) is not CachedRopeSelfAttention:
+        elif not isinstance(layer.self_attention, SelfAttention):
             bad.append(f"self_attention {type(layer.self_attention).__name__}")
-        elif type(layer.self_attention.core_attention) is not SDPACoreAttention:
-            bad.append(f"core_attention {type(layer.self_attention.core_attention).__name__}")
         elif type(layer.mlp) is not MLP:
             bad.append(f"mlp {type(layer.mlp).__name__}")
         elif not isinstance(layer.cross_attention, (IdentityOp, IdentityFuncOp)):
@@ -75,14 +82,75 @@ def unsupported_reason(core) -> str | None:
 
 def onednn_packable(core) -> bool:
     """True where the GEMMs can run on oneDNN-prepacked weights: CPU, fp32, torch built with mkldnn, megatron's
-    activation path unfused (the fused GELU is megatron's tanh approximation, which this step does not copy)."""
-    w = core.decoder.layers[0].self_attention.linear_qkv.weight if len(core.decoder.layers) else None
+    local linear layers and activation path unfused (the fused GELU is megatron's tanh approximation, which this step
+    does not copy)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    if not len(core.decoder.layers):
+        return False
+    layer = core.decoder.layers[0]
+    w = layer.self_attention.linear_qkv.weight
     cfg = core.config
-    return (w is not None and w.device.type == "cpu" and w.dtype == torch.float32
+    return (w.device.type == "cpu" and w.dtype == torch.float32
+            and isinstance(layer.self_attention.linear_qkv, ColumnParallelLinear)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and not cfg.bias_activation_fusion and not getattr(cfg, "use_te_activation_func", False)
             and getattr(cfg, "activation_func_clamp_value", None) is None
             and cfg.num_query_groups >= cfg.tensor_model_parallel_size)
+
+
+class StaticKVCache:
+    """Per layer (K, V), each ``[batch, groups, max_len, head_dim]``, zero-filled: a column no row writes (its left
+    padding) is masked, but a masked NaN would still poison SDPA's weighted sum (0 * NaN)."""
+
+    def __init__(self, core, batch: int, max_len: int, dtype, device):
+        self.max_len = max_len
+        self.mem = {}
+        for layer in core.decoder.layers:
+            att = layer.self_attention
+            self.mem[att.layer_number] = tuple(
+                torch.zeros(batch, att.num_query_groups_per_partition, max_len, dim, dtype=dtype, device=device)
+                for dim in (att.key_hidden_size, att.val_hidden_size))
+
+    @property
+    def batch(self) -> int:
+        return next(iter(self.mem.values()))[0].size(0) if self.mem else 0
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Only rows ``keep`` (device indices into the current batch; their count is the new batch) stay."""
+        for n, (k, v) in self.mem.items():
+            self.mem[n] = (k.index_select(0, keep), v.index_select(0, keep))
+
+
+def rope_cos_sin(freqs: torch.Tensor, mscale: float, dtype):
+    """megatron's unfused RoPE factors for ``freqs`` [s, 1, 1, rot_dim]: computed once per forward, used by every
+    layer (megatron computes them in each layer, for q and for k)."""
+    return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
+
+
+def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """megatron's ``_apply_rotary_pos_emb_bshd`` on precomputed factors: the same elementwise ops in the same order."""
+    rot_dim = cos.shape[-1]
+    t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    t = (t * cos) + (_rotate_half(t, interleaved) * sin)
+    return torch.cat((t, t_pass), dim=-1)
+
+
+def static_attention(q, k, v, keep, scale):
+    """q [s, B, heads, d] over the cache's k, v [B, groups, S, d] with ``keep`` [B, 1, s, S] (True = attend, every
+    query row keeps at least one key) -> [s, B, heads * d]. Decode (s == 1): each group's query heads are the query
+    rows of one SDPA call (no K/V repeat); prefill: K/V repeated to the query heads for this chunk."""
+    s, b, heads, d = q.shape
+    groups = k.size(1)
+    if s == 1:
+        qg = q.reshape(b, groups, heads // groups, d)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=keep, scale=scale)  # keep [B, 1, 1, S]
+        return out.reshape(1, b, heads * d)
+    if groups != heads:
+        k = k.repeat_interleave(heads // groups, dim=1)
+        v = v.repeat_interleave(heads // groups, dim=1)
+    out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k, v, attn_mask=keep, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
 
 class _PackedLinear:
@@ -110,11 +178,15 @@ class _PackedLinear:
         return out, (self.bias if self.skip_bias_add else None)
 
 
-class DecodeStep:
-    """``step(x, mask, ctx)``: one decode forward of this stage. ``x``: token ids [B, 1] on the first stage, else
-    the previous stage's hidden states [1, B, H]. ``mask``: megatron mask [B, 1, 1, sk] (True = masked) or None.
-    Returns what ``GPTModel.forward`` returns: [B, 1, V] logits (gathered over TP) on the last stage, else hidden
-    states [1, B, H] to send on."""
+class StaticStep:
+    """One forward of this stage over a ``StaticKVCache``.
+
+    ``step(x, cols, keep, cache, rows=slice(None), kv=slice(None))``: ``x`` token ids [B, s] on the first stage,
+    else the previous stage's hidden states [s, B, H]; ``cols`` [s] the cache columns (= rotary positions) of these
+    tokens, a device tensor; ``keep`` [B, 1, s, K] the attention mask over cache columns ``kv`` (True = attend);
+    ``rows``: the cache rows these B rows are. Returns the last position's logits [B, V_padded] (gathered over TP)
+    on the last stage, else the hidden states [s, B, H] to send on. Decode calls it with fixed shapes and device
+    tensors only, so it can be captured (``decode``)."""
 
     def __init__(self, core, max_len: int, rows: int, packed: bool = True):
         self.core = core
@@ -124,38 +196,47 @@ class DecodeStep:
         self.output_weight = core.shared_embedding_or_output_weight() if (
             core.post_process and core.share_embeddings_and_output_weights) else None
         self.linears = packed_linears(core, rows, self.output_weight) if packed and onednn_packable(core) else None
+        self.scales = {layer.self_attention.layer_number: _softmax_scale(layer.self_attention)
+                       for layer in core.decoder.layers}
 
     @torch.no_grad()
-    def __call__(self, x, mask, ctx):
-        core, pos = self.core, ctx.sequence_len_offset
-        freqs = self.freqs[pos:pos + 1]
+    def __call__(self, x, cols, keep, cache: StaticKVCache, rows=slice(None), kv=slice(None)):
+        core = self.core
+        cos, sin = rope_cos_sin(self.freqs.index_select(0, cols), self.mscale, self.cfg.params_dtype)
         h = core.embedding(input_ids=x, position_ids=None) if core.pre_process else x
         for layer in core.decoder.layers:
-            h = self._layer(layer, h, freqs, mask, ctx, pos)
+            h = self._layer(layer, h, cos, sin, cols, keep, cache, rows, kv)
         if not core.post_process:
             return h
+        h = h[-1:]
         if core.decoder.final_layernorm is not None:
             h = core.decoder.final_layernorm(h)
         if self.linears is not None:
             logits, _ = self.linears["output"](h)
         else:
             logits, _ = core.output_layer(h, weight=self.output_weight, runtime_gather_output=True)
-        return logits.transpose(0, 1)
+        return logits[0]
 
-    def _layer(self, layer, h, freqs, mask, ctx, pos):
+    def decode(self, x, pos, first_col, cache: StaticKVCache):
+        """The one-token step: token ids (or hidden states) of every cache row at column ``pos`` ([1], device);
+        row i attends to columns ``first_col[i] .. pos``. Fixed shapes, no host read: capturable."""
+        cols = torch.arange(cache.max_len, device=pos.device)
+        keep = ((cols >= first_col[:, None]) & (cols <= pos)).view(first_col.size(0), 1, 1, cache.max_len)
+        return self(x, pos, keep, cache)
+
+    def _layer(self, layer, h, cos, sin, cols, keep, cache, rows, kv):
         att = layer.self_attention
         lin = self.linears[att.layer_number] if self.linears is not None else None
         x = layer.input_layernorm(h)
         q, k, v = att.get_query_key_value_tensors(x, None) if lin is None else _split_qkv(att, lin["qkv"](x)[0])
-        cp = att.pg_collection.cp
-        q = apply_rotary_pos_emb(q, freqs, config=self.cfg, mscale=self.mscale, cp_group=cp)
-        k = apply_rotary_pos_emb(k, freqs, config=self.cfg, mscale=self.mscale, cp_group=cp)
-        k_mem, v_mem = ctx.key_value_memory_dict[att.layer_number]
-        b = k.size(1)
-        k_mem[pos:pos + 1, :b] = k
-        v_mem[pos:pos + 1, :b] = v
-        ctx_out = att.core_attention(q, k_mem[:pos + 1, :b], v_mem[:pos + 1, :b], mask,
-                                     attn_mask_type=AttnMaskType.no_mask)
+        interleaved = self.cfg.rotary_interleaved
+        q = apply_rope(q, cos, sin, interleaved)
+        k = apply_rope(k, cos, sin, interleaved)
+        k_mem, v_mem = cache.mem[att.layer_number]
+        k_mem, v_mem = k_mem[rows], v_mem[rows]
+        k_mem.index_copy_(2, cols, k.permute(1, 2, 0, 3))
+        v_mem.index_copy_(2, cols, v.permute(1, 2, 0, 3))
+        ctx_out = static_attention(q, k_mem[:, :, kv], v_mem[:, :, kv], keep, self.scales[att.layer_number])
         out_with_bias = att.linear_proj(ctx_out) if lin is None else lin["proj"](ctx_out)
         with layer.bias_dropout_add_exec_handler():
             h = layer.self_attn_bda(False, self.cfg.bias_dropout_fusion)(out_with_bias, h, layer.hidden_dropout)
@@ -164,6 +245,16 @@ class DecodeStep:
         with layer.bias_dropout_add_exec_handler():
             h = layer.mlp_bda(False, self.cfg.bias_dropout_fusion)(out_with_bias, h, layer.hidden_dropout)
         return h
+
+
+def _softmax_scale(att) -> float:
+    """The scale the layer's own core attention applies (megatron's default 1/sqrt(head_dim), or config's)."""
+    own = getattr(att.core_attention, "softmax_scale", None)
+    if own is not None:
+        return float(own)
+    if att.config.softmax_scale is not None:
+        return float(att.config.softmax_scale)
+    return 1.0 / math.sqrt(att.hidden_size_per_attention_head)
 
 
 def packed_linears(core, rows: int, output_weight) -> dict:

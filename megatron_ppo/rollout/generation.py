@@ -50,17 +50,19 @@ group, so all ranks return the same result. Deterministic under ``SamplingParams
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from megatron_ppo.rollout.decode_step import DecodeStep, unsupported_reason
+from megatron_ppo.rollout.decode_step import unsupported_reason
 from megatron_ppo.models.unwrap import unwrap_model
 from megatron_ppo.ops.cpu_matmul import onednn_matmul
 from megatron_ppo.rollout.base import GenerationOutput, SamplingParams
 
+logger = logging.getLogger(__name__)
 PREFILL_MODES = ("auto", "ragged", "aligned")
 
 
@@ -68,16 +70,22 @@ PREFILL_MODES = ("auto", "ragged", "aligned")
 class DecodeOptions:
     """How this engine runs the decode loop (rollout.megatron.*): never changes which tokens come out."""
     prefill: str = "auto"  # "auto" | "ragged" | "aligned" (module docstring)
-    drop_finished: bool = True  # finished rows leave the decode batch (results unchanged)
-    compile_decode: bool = False  # torch.compile the one-token decode forward (module docstring)
-    lean_decode: bool = True  # one-token steps through rollout.decode_step where the model allows it
+    drop_finished: bool = True  # finished rows leave the decode batch at bucket boundaries (results unchanged)
+    compile_decode: bool = False  # torch.compile the one-token decode step (module docstring)
+    static_step: bool = True  # the static loop (rollout.static_loop) where the model allows it
     packed_linears: bool = True  # ... with oneDNN-prepacked GEMM weights where possible (CPU fp32; decode_step)
-    onednn_prefill: bool = True  # prefill (and any non-lean forward) GEMMs on oneDNN (CPU fp32; ops.cpu_matmul);
+    onednn_prefill: bool = True  # prefill (and any non-static forward) GEMMs on oneDNN (CPU fp32; ops.cpu_matmul);
     # the engine sets it to its worker's own cpu_gemm decision (MegatronWorker.onednn)
+    cuda_graphs: str = "auto"  # "auto" (on a CUDA device) | "true" | "false": the static decode step as CUDA graphs
+    batch_buckets: tuple = ()  # decode batch sizes to compact to (empty: powers of two)
+    alive_check_interval: int = 8  # decode steps between the host's reads of the unfinished count
+    prefill_token_budget: int = 16384  # at most this many prompt tokens (rows x padded length) per prefill forward
 
     def __post_init__(self):
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"DecodeOptions.prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
+        if self.alive_check_interval < 1 or self.prefill_token_budget < 1:
+            raise ValueError("DecodeOptions: alive_check_interval and prefill_token_budget must be >= 1")
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -131,8 +139,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 class _StageRunner:
     """One forward step of this pipeline stage, passing hidden states between stages (PP > 1)."""
 
-    def __init__(self, model, batch_size, max_len, use_kv_cache, compile_decode=False, lean_decode=False,
-                 packed_linears=False, onednn_prefill=False):
+    def __init__(self, model, batch_size, max_len, use_kv_cache, compile_decode=False, onednn_prefill=False):
         from megatron.core import parallel_state as ps
         from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -148,9 +155,6 @@ class _StageRunner:
         self.compiled = _compiled_forward() if compile_decode and use_kv_cache else None
         # prefill (and any non-lean forward) on oneDNN GEMMs too (ops/cpu_matmul.py), CPU only
         self.onednn = onednn_prefill and self.device.type == "cpu"
-        self.lean = None
-        if lean_decode and use_kv_cache and self.compiled is None and unsupported_reason(self.core) is None:
-            self.lean = DecodeStep(self.core, max_len, batch_size, packed=packed_linears)
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None = None):
         """ids: [B, s] the tokens of this step; mask: megatron attention mask (True = masked) or None (causal).
@@ -161,9 +165,7 @@ class _StageRunner:
             h = torch.empty(s, b, self.hidden, dtype=self.dtype, device=self.device)
             dist.recv(h, src=self.ps.get_pipeline_model_parallel_prev_rank())
             self.core.set_input_tensor(h)
-        if self.lean is not None and s == 1:  # a decode step, lean
-            out = self.lean(ids if self.first else h, mask, self.ctx)
-        elif self.compiled is not None and s == 1:  # a decode step
+        if self.compiled is not None and s == 1:  # a decode step
             out = self.compiled(self.model, ids, mask, self.ctx)
         else:
             with onednn_matmul(self.onednn):
@@ -304,15 +306,36 @@ def generate(model, prompts: list[torch.Tensor], params: SamplingParams, options
     for i, p in enumerate(prompts):
         if int(p.max()) >= vocab or int(p.min()) < 0:
             raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab})")
-    mode = resolve_prefill(model, options.prefill)
     was_training = core.training
     core.eval()
     try:
         with _no_sequence_parallel(model):
-            loop = _generate_ragged if mode == "ragged" else _generate_aligned
+            if use_kv_cache and _takes_static_loop(core, options):
+                from megatron_ppo.rollout.static_loop import generate_static
+
+                return generate_static(model, prompts, params, options, vocab)
+            loop = _generate_ragged if resolve_prefill(model, options.prefill) == "ragged" else _generate_aligned
             return loop(model, prompts, params, options, vocab, use_kv_cache)
     finally:
         core.train(was_training)
+
+
+_WARNED: set = set()
+
+
+def _takes_static_loop(core, options: DecodeOptions) -> bool:
+    """True when this rollout runs the static loop; a model it does not cover falls back to megatron's forward
+    with one WARNING per reason and process."""
+    if not options.static_step or options.prefill == "aligned":
+        return False
+    reason = unsupported_reason(core)
+    if reason is None:
+        return True
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        logger.warning("generation: the static decode step does not cover this model (%s): megatron's full forward "
+                       "with %s prefill instead", reason, resolve_prefill(core, "auto"))
+    return False
 
 
 class _Results:
@@ -383,8 +406,7 @@ def _generate_ragged(model, prompts, params, options, vocab, use_kv_cache):
         tokens[i, width - p.numel():width] = p.to(device)
     key_pad = torch.arange(total, device=device).unsqueeze(0) < (width - lengths).unsqueeze(1)  # [B, total]
     res = _Results(b, r, params, device)
-    runner = _StageRunner(model, b, total, use_kv_cache, options.compile_decode, options.lean_decode,
-                          options.packed_linears, options.onednn_prefill)
+    runner = _StageRunner(model, b, total, use_kv_cache, options.compile_decode, options.onednn_prefill)
     sampler = _Sampler(params, vocab, b, device)
     # original index of each row of the decode batch: longest prompts first, so length groups are contiguous
     rows = torch.argsort(lengths, descending=True, stable=True)
@@ -452,8 +474,7 @@ def _generate_aligned(model, prompts, params, options, vocab, use_kv_cache):
     for i, p in enumerate(prompts):
         tokens[i, :p.numel()] = p.to(device)
     res = _Results(b, r, params, device)
-    runner = _StageRunner(model, b, total, use_kv_cache, options.compile_decode, options.lean_decode,
-                          options.packed_linears, options.onednn_prefill)
+    runner = _StageRunner(model, b, total, use_kv_cache, options.compile_decode, options.onednn_prefill)
     sampler = _Sampler(params, vocab, b, device)
     rows = torch.arange(b, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
