@@ -313,6 +313,13 @@ def _rollout(cfg: PPOConfig, errs: _Errors) -> None:
             errs.append(str(exc))
     if r.name == "vllm":
         _vllm(cfg, errs)
+    m = r.megatron
+    errs.check(m.alive_check_interval >= 1, "rollout.megatron.alive_check_interval", "must be >= 1")
+    errs.check(m.prefill_token_budget >= 1, "rollout.megatron.prefill_token_budget", "must be >= 1")
+    errs.check(not (m.cuda_graphs is True and cfg.cluster.device == "cpu"), "rollout.megatron.cuda_graphs",
+               "true needs a CUDA device (cluster.device=cpu); auto turns CUDA graphs on where there is one")
+    errs.check(all(b >= 1 for b in m.batch_buckets), "rollout.megatron.batch_buckets",
+               f"sizes must be >= 1, got {m.batch_buckets}")
     if cfg.algorithm.adv_estimator == "grpo":
         errs.check(r.n >= 2, "rollout.n", f"must be >= 2 with algorithm.adv_estimator=grpo (advantages are "
                    f"relative to the group of responses), got {r.n}")

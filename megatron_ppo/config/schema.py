@@ -250,9 +250,19 @@ class MegatronRolloutConfig:
         "auto", "how prompts of different lengths fill the KV cache: ragged (left-padded, prefilled in length "
         "groups; needs the local spec's SDPA attention), aligned (prefill to the shortest prompt, then one position "
         "per step; any attention), auto: ragged where the attention allows it (docs/models.md)", None)
-    drop_finished: bool = field(True, "rows that hit eos leave the decode batch (same tokens, less work)", None)
-    use_torch_compile: bool = field(False, "torch.compile the one-token decode forward (measured in "
-                                    "docs/bench/peer.md)", None)
+    drop_finished: bool = field(True, "rows that hit eos leave the decode batch when the unfinished ones fit a "
+                                "smaller batch bucket (same tokens, less work)", None)
+    use_torch_compile: bool = field(False, "torch.compile the one-token decode step (fullgraph; measured in "
+                                    "docs/bench/rollout.md)", None)
+    cuda_graphs: Literal["auto", True, False] = field(
+        "auto", "capture the static decode step as one CUDA graph per batch bucket and replay it (auto: on a CUDA "
+        "device; captured afresh every rollout, docs/rollout.md)", None)
+    batch_buckets: list[int] = field([], "decode batch sizes finished rows are compacted to (empty: powers of two "
+                                     "below the batch)", None)
+    alive_check_interval: int = field(8, "decode steps between the host's reads of the unfinished-row count (the "
+                                      "decode loop's only host read)", None)
+    prefill_token_budget: int = field(16384, "at most this many prompt tokens (rows x padded length) per prefill "
+                                      "forward", None)
 
 
 @dataclass

@@ -23,11 +23,12 @@ layer. A CUDA graph replays fixed addresses and shapes, so the decode step here 
   local, TE's) is replaced by the SDPA call over the static cache. Tensor parallelism works through the modules'
   own collectives.
 
-On CPU in fp32 the GEMMs run on weights prepacked for oneDNN (``packed_linears``): megatron's linear layers call
-MKL's sgemm, which at a decode step's few rows runs well below oneDNN's prepacked kernel on the CPUs measured
-(docs/bench/peer.md, "What session 3 changed", item 5). Packing is a small fixed cost per rollout (the actor's
-weights change between rollouts). Collectives and biases follow megatron's linear layers: row-parallel outputs are
-all-reduced over TP before their bias, the output layer's logits are all-gathered.
+With megatron's own linear layers the step runs their GEMMs itself (``_Linear``: ``F.linear`` on the parameters,
+the modules' collectives and biases in their order: row-parallel outputs all-reduced over TP before their bias, the
+output layer's logits all-gathered); Transformer Engine's layers are called as modules. On CPU in fp32 the GEMMs run
+on weights prepacked for oneDNN (``packed_linears``): megatron's linear layers call MKL's sgemm, which at a decode
+step's few rows runs well below oneDNN's prepacked kernel on the CPUs measured (docs/bench/peer.md, "What session 3
+changed", item 5). Packing is a small fixed cost per rollout (the actor's weights change between rollouts).
 
 ``unsupported_reason(core)`` lists what the step does not cover (MoE, MLA, cross-attention, gated attention output,
 learned absolute positions, sliding windows...); generation then takes megatron's full forward and says so in one
@@ -80,23 +81,62 @@ def unsupported_reason(core) -> str | None:
     return ", ".join(sorted(set(bad))) or None
 
 
-def onednn_packable(core) -> bool:
-    """True where the GEMMs can run on oneDNN-prepacked weights: CPU, fp32, torch built with mkldnn, megatron's
-    local linear layers and activation path unfused (the fused GELU is megatron's tanh approximation, which this step
-    does not copy)."""
+def plain_linears(core) -> bool:
+    """True where the step can run the layer's GEMMs itself (``_Linear``): megatron's own column / row parallel
+    layers (not Transformer Engine's), the activation path unfused (the fused GELU is megatron's tanh approximation,
+    which ``_mlp`` does not copy), query groups >= TP. Elsewhere it calls the modules."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     if not len(core.decoder.layers):
         return False
     layer = core.decoder.layers[0]
-    w = layer.self_attention.linear_qkv.weight
     cfg = core.config
-    return (w.device.type == "cpu" and w.dtype == torch.float32
-            and isinstance(layer.self_attention.linear_qkv, ColumnParallelLinear)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return (type(layer.self_attention.linear_qkv) is ColumnParallelLinear
+            and type(layer.self_attention.linear_proj) is RowParallelLinear
+            and type(layer.mlp.linear_fc1) is ColumnParallelLinear and type(layer.mlp.linear_fc2) is RowParallelLinear
             and not cfg.bias_activation_fusion and not getattr(cfg, "use_te_activation_func", False)
             and getattr(cfg, "activation_func_clamp_value", None) is None
             and cfg.num_query_groups >= cfg.tensor_model_parallel_size)
+
+
+def onednn_packable(core) -> bool:
+    """True where those GEMMs can run on oneDNN-prepacked weights: CPU, fp32, torch built with mkldnn."""
+    if not plain_linears(core):
+        return False
+    w = core.decoder.layers[0].self_attention.linear_qkv.weight
+    return (w.device.type == "cpu" and w.dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class _Linear:
+    """A megatron linear layer's inference forward (no sequence parallelism): returns (output, bias) as the module
+    does (row-parallel: all-reduce over TP, then the bias unless skip_bias_add). ``rows``: prepack the weight for
+    oneDNN at that many input rows; None: ``F.linear`` on the parameter itself (an in-place update is seen). Why
+    not the module: megatron's linear forward warns on every call (a deprecation notice for its row-parallel
+    layers), which ``torch.compile(fullgraph=True)`` cannot trace, and is much Python per GEMM."""
+
+    def __init__(self, module, rows: int | None, weight=None, gather: bool = False):
+        self.weight = module.weight if weight is None else weight
+        self.packed = None if rows is None else torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
+        self.bias = module.bias
+        self.skip_bias_add = module.skip_bias_add
+        self.row_parallel = isinstance(module, RowParallelLinear)
+        self.tp_group = module.tp_group
+        self.gather = gather
+
+    def __call__(self, x):
+        if self.packed is None:
+            out = F.linear(x, self.weight)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.size(-1)), self.packed, None, "none", [], "")
+            out = out.view(*x.shape[:-1], out.size(-1))
+        if self.row_parallel:
+            out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        if self.bias is not None and not self.skip_bias_add:
+            out = out + self.bias
+        if self.gather:
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return out, (self.bias if self.skip_bias_add else None)
 
 
 class StaticKVCache:
@@ -153,31 +193,6 @@ def static_attention(q, k, v, keep, scale):
     return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
 
-class _PackedLinear:
-    """A megatron linear layer's forward (no sequence parallelism) on its weight prepacked for oneDNN: returns
-    (output, bias) as the module does (row-parallel: all-reduce over TP, then the bias unless skip_bias_add)."""
-
-    def __init__(self, module, rows: int, weight=None, gather: bool = False):
-        weight = module.weight if weight is None else weight
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-        self.bias = module.bias
-        self.skip_bias_add = module.skip_bias_add
-        self.row_parallel = isinstance(module, RowParallelLinear)
-        self.tp_group = module.tp_group
-        self.gather = gather
-
-    def __call__(self, x):
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.size(-1)), self.packed, None, "none", [], "")
-        out = out.view(*x.shape[:-1], out.size(-1))
-        if self.row_parallel:
-            out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
-        if self.bias is not None and not self.skip_bias_add:
-            out = out + self.bias
-        if self.gather:
-            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
-        return out, (self.bias if self.skip_bias_add else None)
-
-
 class StaticStep:
     """One forward of this stage over a ``StaticKVCache``.
 
@@ -195,7 +210,9 @@ class StaticStep:
         self.mscale = _yarn_get_concentration_factor_from_config(self.cfg)
         self.output_weight = core.shared_embedding_or_output_weight() if (
             core.post_process and core.share_embeddings_and_output_weights) else None
-        self.linears = packed_linears(core, rows, self.output_weight) if packed and onednn_packable(core) else None
+        self.packed = packed and onednn_packable(core)
+        self.linears = layer_linears(core, rows if self.packed else None, self.output_weight) if plain_linears(
+            core) else None
         self.scales = {layer.self_attention.layer_number: _softmax_scale(layer.self_attention)
                        for layer in core.decoder.layers}
 
@@ -257,15 +274,16 @@ def _softmax_scale(att) -> float:
     return 1.0 / math.sqrt(att.hidden_size_per_attention_head)
 
 
-def packed_linears(core, rows: int, output_weight) -> dict:
-    """{layer_number: {"qkv", "proj", "fc1", "fc2"}, "output": ...} prepacked for ``rows``-row inputs."""
+def layer_linears(core, rows: int | None, output_weight) -> dict:
+    """{layer_number: {"qkv", "proj", "fc1", "fc2"}, "output": ...} as ``_Linear`` (prepacked for ``rows``-row
+    inputs, or None: on the parameters)."""
     out = {}
     for layer in core.decoder.layers:
         att, mlp = layer.self_attention, layer.mlp
-        out[att.layer_number] = {"qkv": _PackedLinear(att.linear_qkv, rows), "proj": _PackedLinear(att.linear_proj, rows),
-                                 "fc1": _PackedLinear(mlp.linear_fc1, rows), "fc2": _PackedLinear(mlp.linear_fc2, rows)}
+        out[att.layer_number] = {"qkv": _Linear(att.linear_qkv, rows), "proj": _Linear(att.linear_proj, rows),
+                                 "fc1": _Linear(mlp.linear_fc1, rows), "fc2": _Linear(mlp.linear_fc2, rows)}
     if core.post_process:
-        out["output"] = _PackedLinear(core.output_layer, rows, weight=output_weight, gather=True)
+        out["output"] = _Linear(core.output_layer, rows, weight=output_weight, gather=True)
     return out
 
 
@@ -285,7 +303,7 @@ def _split_qkv(att, mixed):
 
 
 def _mlp(mlp, lin, x):
-    """megatron's MLP.forward (unfused activation path, no clamp) with the prepacked fc1 / fc2."""
+    """megatron's MLP.forward (unfused activation path, no clamp) with the step's fc1 / fc2."""
     inter, bias = lin["fc1"](x)
     if bias is not None:
         inter = inter + bias

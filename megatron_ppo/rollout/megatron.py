@@ -18,9 +18,14 @@ def decode_options(engine_cfg, *, onednn: bool, cpu_gemm: str) -> DecodeOptions:
     """rollout.megatron.* plus the worker's GEMM choice: the prefill forwards follow the worker's oneDNN decision
     (so cpu_gemm=auto keeps a small model's prefill on torch's GEMMs); cpu_gemm=torch also turns off the decode
     step's prepacked weights."""
+    graphs = engine_cfg.cuda_graphs
     return DecodeOptions(prefill=engine_cfg.prefill, drop_finished=engine_cfg.drop_finished,
                          compile_decode=engine_cfg.use_torch_compile, onednn_prefill=onednn,
-                         packed_linears=cpu_gemm != "torch")
+                         packed_linears=cpu_gemm != "torch",
+                         cuda_graphs=graphs if isinstance(graphs, str) else str(graphs).lower(),
+                         batch_buckets=tuple(engine_cfg.batch_buckets),
+                         alive_check_interval=engine_cfg.alive_check_interval,
+                         prefill_token_budget=engine_cfg.prefill_token_budget)
 
 
 class MegatronEngine:

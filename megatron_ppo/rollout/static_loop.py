@@ -144,13 +144,14 @@ class StaticRunner:
         self.hidden, self.dtype = cfg.hidden_size, cfg.params_dtype
         self.device = next(self.core.parameters()).device
         self.cache = StaticKVCache(self.core, batch, max_len, self.dtype, self.device)
-        self.step = StaticStep(self.core, max_len, batch, packed=options.packed_linears)
+        # (inductor lowers no oneDNN-prepacked weight: a compiled step runs plain GEMMs, which it may pack itself)
+        self.step = StaticStep(self.core, max_len, batch, packed=options.packed_linears and not options.compile_decode)
         self.onednn = options.onednn_prefill and self.device.type == "cpu"
         self.decode_fn = self.step.decode
         if use_cuda_graphs(options.cuda_graphs, self.device):
             self.decode_fn = DecodeGraphs(self.step, self.cache)
         elif options.compile_decode:
-            self.decode_fn = _compiled_decode(self.step)
+            self.decode_fn = compile_decode(self.step)
 
     def _input(self, ids):
         if self.first:
@@ -180,9 +181,16 @@ class StaticRunner:
         self.cache.keep_rows(keep)
 
 
-def _compiled_decode(step):
+def compile_decode(step):
     """``torch.compile(step.decode, fullgraph=True)``: the step has no data-dependent control flow, so it compiles
-    as one graph per bucket shape (dynamo recompiles on a new batch size)."""
+    as one graph per bucket shape (dynamo recompiles on a new batch size). megatron's linear layers call
+    ``warnings.warn`` (a deprecation notice) on every forward: registered as a reorderable logging function, dynamo
+    lifts it out of the graph instead of breaking there."""
+    import warnings
+
+    import torch._dynamo
+
+    torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
     return torch.compile(step.decode, fullgraph=True, dynamic=False)
 
 

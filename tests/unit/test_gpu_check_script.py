@@ -1,7 +1,7 @@
 """tools/gpu_check.sh, the device script of issue 23, on a CPU machine: it parses (a planted syntax error in a copy
 is caught), its dry run runs every stage's CPU side and prints one summary line per stage and the count line, its
-results become docs/bench/gpu.md through --record, and the PPO step's arithmetic (the 0.5 B model's parameter
-count against the planner, the MFU formula) is right."""
+results become docs/bench/gpu.md through --record (the decode section pending until a run measured it), and the PPO
+step's arithmetic (the 0.5 B model's parameter count against the planner, the MFU formula) is right."""
 from __future__ import annotations
 
 import json
@@ -41,9 +41,31 @@ def check_script(path: Path) -> list[str]:
 def test_the_script_parses_and_names_its_stages():
     assert check_script(SCRIPT) == []
     assert check_script(ROOT / "tools" / "gpu_check_prepare.sh") == []
-    assert stages() == ["env", "deps", "build", "parity", "models", "sanitizer", "nccl", "ppo_step", "bench", "vllm"]
-    header = SCRIPT.read_text()[:3000]
+    assert stages() == ["env", "deps", "build", "decode", "parity", "models", "sanitizer", "nccl", "ppo_step",
+                        "bench", "vllm"]
+    header = SCRIPT.read_text()[:4000]
     assert 'run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=600)' in header
+    assert gpu_check_report().DECODE_CALL in header
+
+
+def gpu_check_report():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check_report as module
+
+    return module
+
+
+@pytest.mark.parametrize("only, needed", [("decode", False), ("env decode", False), ("decode parity", True),
+                                          ("build", True), ("ppo_step", True), ("", False)])
+def test_build_is_left_out_when_only_decode_is_selected(tmp_path, only, needed):
+    """GPU_CHECK_ONLY=decode (issue 46's first call on a GPU): env, deps and decode, no build (decode needs none)."""
+    copy = tmp_path / "gpu_check.sh"
+    text = SCRIPT.read_text()
+    assert text.rstrip().endswith('main "$@"')
+    copy.write_text(text.rstrip()[:-len('main "$@"')])  # the functions only
+    r = subprocess.run(["bash", "-c", f'source "{copy}"; ONLY="{only}"; build_needed && echo yes || echo no'],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.stdout.strip() == ("yes" if needed else "no"), r.stderr
 
 
 @pytest.mark.parametrize("plant", [
@@ -87,8 +109,22 @@ def test_dry_run_runs_every_stage_cpu_side_and_prints_the_summary(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert [s["name"] for s in results["stages"]] == names and results["dry_run"] is True
     assert results["ppo_step"]["actor_params"] == gpu_step.QWEN2_0P5B_PARAMS
+    decode_line = summary[names.index("decode")]
+    assert "skipped: no GPU (tools/bench_decode.py --dry-run timed the eager and static loops" in decode_line
+    d = results["decode"]  # the bench's dry run really ran: both CPU systems timed, host reads counted
+    assert d["dry_run"] is True and [c["case"] for c in d["cases"]] == ["4x8", "8x16"]
+    for case in d["cases"]:
+        assert case["systems"]["graphs"] == {"skipped": "no CUDA"}
+        for name in ("eager", "static"):
+            s = case["systems"][name]
+            assert s["tokens_per_s"] > 0 and s["ms_per_step"] > 0 and s["every_row_made_its_tokens"], (name, s)
+            assert s["host_reads_per_step"] is not None
+        assert case["systems"]["eager"]["host_reads_per_step"] >= 1  # megatron's forward: a read every step
+        assert case["systems"]["static"]["loop"] == "static"
+    assert "| 8x16 | eager (at 8 tokens) |" in (tmp_path / "summary.md").read_text()
     assert {p.name for p in tmp_path.iterdir()} <= {"gpu_check.log", "summary.md", "results.json", "logs.tar.gz",
-                                                     "ppo_step.json", "kernels_gpu.md", "engines.json"}  # <= 8 files
+                                                     "ppo_step.json", "kernels_gpu.md", "engines.json",
+                                                     "decode.json"}  # <= 8 files
 
 
 def test_qwen2_0p5b_parameter_count_is_the_planners_and_the_published_one():
@@ -246,6 +282,43 @@ def test_record_writes_the_gpu_page_from_a_device_run(tmp_path):
     mfu = 6 * 494_032_768 * 18000 / 3.0 / 989e12
     assert f"{mfu:.2%}" in text
     assert "kernel | 0.1" in kernels_page.read_text() and "pending" not in kernels_page.read_text()
+    pending = text[text.index("## Decode step (issue 46)"):]  # no decode.json came back: the section says pending
+    assert "Pending (no GPU lent)" in pending and gpu_check_report().DECODE_CALL in pending
+    assert "bash tools/gpu_check_prepare.sh" in pending and ">= 20,000 tokens/s at 64" in pending
+
+
+def fake_decode() -> dict:
+    """A decode.json as tools/bench_decode.py writes it on a GPU (made-up numbers)."""
+    import bench_decode as bd
+
+    base = {"loop": "static", "new_tokens_run": 256, "capped": False, "wall_s": 0.7, "wall_s_all": [0.7],
+            "prefill_s": 0.06, "every_row_made_its_tokens": True, "host_reads": {"aten::item": 4},
+            "host_reads_per_step": 0.125, "profile_new_tokens": 33}
+    systems = {"eager": dict(base, loop="megatron forward", new_tokens_run=64, capped=True, wall_s=3.3, prefill_s=0.1,
+                             host_reads_per_step=3.0),
+               "static": dict(base, wall_s=2.0), "graphs": dict(base)}
+    for s in systems.values():
+        s.update(bd.derive(64, s["new_tokens_run"], s["wall_s"], s["prefill_s"], 0.295))
+    systems["eager"]["tokens_per_s_full_est"] = 1300.0
+    cases = [{"case": "64x256", "prompts": 64, "new": 256, "prompt_width": 128, "floor_with_kv_ms": 0.39,
+              "systems": systems}]
+    return {"tool": "tools/bench_decode.py", "command": "python tools/bench_decode.py --out decode.json",
+            "dry_run": False, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "arch": "qwen2-0.5b",
+            "params": 494_032_768, "dtype": "bfloat16", "transformer_impl": "local", "param_bytes": 988_065_536,
+            "bandwidth_gbs": 3350.0, "floor_ms": 0.295, "prompt_len": [64, 128], "profile_steps": 32,
+            "build_s": 5.0, "elapsed_s": 60.0, "cases": cases, "goals": bd.goal_results(cases)}
+
+
+def test_record_shows_a_device_runs_decode_table(tmp_path):
+    res = fake_device_results(tmp_path)
+    (res / "decode.json").write_text(json.dumps(fake_decode()))  # brought back beside results.json
+    page = tmp_path / "gpu.md"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check_report.py"), "record", str(res), "--out",
+                    str(page), "--kernels-page", ""], check=True, capture_output=True, text=True)
+    text = page.read_text()
+    assert "Pending (no GPU lent)" not in text and "## Decode step (stage decode, issue 46)" in text
+    assert "| 64x256 | eager (at 64 tokens) |" in text and "| 64x256 | graphs | 23406 |" in text
+    assert "goal ms per decode step at 64 rows <= 3: 2.51 (graphs), met" in text
 
 
 def test_record_refuses_a_dry_run(tmp_path):
