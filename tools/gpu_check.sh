@@ -9,21 +9,27 @@
 # leave no room for a second full run. Rerun only what failed, at once while the machine is warm (the in-place build
 # is kept there, ninja rebuilds nothing):
 #     run(command='GPU_CHECK_ONLY="parity sanitizer" GPU_CHECK_BUDGET_S=240 bash tools/gpu_check.sh', carry=[".whl"])
+# Issue 46's decode numbers first, in a call of their own (env, deps, decode: about 2 minutes, no build), after
+# bash tools/gpu_check_prepare.sh here:
+#     run(command='GPU_CHECK_ONLY=decode GPU_CHECK_BUDGET_S=200 bash tools/gpu_check.sh', carry=['.whl'], timeout_s=300)
 #
 # Stages (each under its own time budget, stopped with `timeout` when over it; the script goes on):
 #   1 env        nvidia-smi, nvcc, torch / torch.version.cuda, Transformer Engine importable?, megatron-core version
 #   2 deps       pip install --no-index --no-deps --target $GPU_CHECK_SITE .whl/*.whl (megatron-core), PYTHONPATH
 #   3 build      python setup.py build_ext --inplace against the device's torch; ops.backend("cuda") == "cuda"
-#   4 parity     ops parity suite on the CUDA kernels with CUDA_LAUNCH_BLOCKING=1 (MEGATRON_PPO_OPS=kernels via
+#   4 decode     tools/bench_decode.py: the Megatron engine's generation speed, 0.5 B Qwen2-shaped model in bf16 at
+#                64x256 and 256x512: eager step (static_step=False) vs the static loop vs it as CUDA graphs; tokens/s,
+#                ms per decode step against the bandwidth floor, host reads per step (issue 46); needs no build
+#   5 parity     ops parity suite on the CUDA kernels with CUDA_LAUNCH_BLOCKING=1 (MEGATRON_PPO_OPS=kernels via
 #                use_backend): test_ops_gae/logprob/backend + test_ops_cuda_edges (issue 23's edge rows), then GAE
 #                again with the serial algorithm
-#   5 models     tests/integration/test_models_gpu.py: TE vs local spec (where TE imports), varlen THD, generation
-#   6 sanitizer  compute-sanitizer memcheck and racecheck on tools/gpu_sanitize_kernels.py (every kernel once)
-#   7 nccl       tools/gpu_nccl_world.py: an NCCL world of 2 processes on the one GPU (or NCCL's refusal, recorded)
-#   8 ppo_step   megatron_ppo/testing/gpu_step.py: bf16 PPO steps of a 0.5 B Qwen2-shaped model, actor + critic +
+#   6 models     tests/integration/test_models_gpu.py: TE vs local spec (where TE imports), varlen THD, generation
+#   7 sanitizer  compute-sanitizer memcheck and racecheck on tools/gpu_sanitize_kernels.py (every kernel once)
+#   8 nccl       tools/gpu_nccl_world.py: an NCCL world of 2 processes on the one GPU (or NCCL's refusal, recorded)
+#   9 ppo_step   megatron_ppo/testing/gpu_step.py: bf16 PPO steps of a 0.5 B Qwen2-shaped model, actor + critic +
 #                ref through the real workers in one process (launcher=local, device=cuda): step time, tokens/s, MFU
-#   9 bench      tools/bench_kernels.py --device cuda
-#  10 vllm       rollout.name=vllm vs megatron: the same PPO step (gpu_step --engine) at 256 prompts x 512 tokens,
+#  10 bench      tools/bench_kernels.py --device cuda
+#  11 vllm       rollout.name=vllm vs megatron: the same PPO step (gpu_step --engine) at 256 prompts x 512 tokens,
 #                generation tokens/s of each (issue 25's goal: vLLM >= 3x ours); skipped when the image has no
 #                vLLM (the device has no network for make setup-vllm). Over the 480 s of a full run it is left out
 #                of time: run it alone in a second call, GPU_CHECK_ONLY=vllm GPU_CHECK_BUDGET_S=420.
@@ -32,16 +38,18 @@
 # Results in $RESULTS_DIR (default: $OUT on the device machine, else ./gpu_check_results), at most 8 files, no
 # folders (the device tool returns 8 files): gpu_check.log (this console), summary.md, results.json (stages, env,
 # every measurement), logs.tar.gz (one log per stage, junit XML, sanitizer and build logs), ppo_step.json,
-# kernels_gpu.md, engines.json (stage vllm: both engines' gpu_step results).
+# kernels_gpu.md, engines.json (stage vllm: both engines' gpu_step results), decode.json (stage decode).
 #
 # Usage: tools/gpu_check.sh [--dry-run] [--only "parity sanitizer ..."]
 #        tools/gpu_check.sh --record DIR [--out docs/bench/gpu.md] [--kernels-page docs/bench/kernels.md]
 #        tools/gpu_check.sh --list
 # --dry-run (or GPU_CHECK_DRY_RUN=1), for CPU machines and CI: the script parses (bash -n, shellcheck where
 # installed), every stage runs its CPU side (environment report, the wheels installed for cp312 into a temp dir, the
-# extension list, the test files collect, the kernel script on the CPU kernels, the NCCL script's jobs in a gloo
-# world of one, the PPO step's config and parameter count, bench_kernels loads) and then says 'skipped: no GPU'.
-# --only: run these stages (env, deps and build always run: the others need them); the rest 'skipped: not selected'.
+# extension list, tools/bench_decode.py --dry-run (eager and static loops on a tiny fp32 model), the test files
+# collect, the kernel script on the CPU kernels, the NCCL script's jobs in a gloo world of one, the PPO step's config
+# and parameter count, bench_kernels loads) and then says 'skipped: no GPU'.
+# --only: run these stages (env and deps always run, and build unless decode is all that is selected: the others
+# need it); the rest 'skipped: not selected'.
 # Env: PYTHON (default python3; a CPU dry run falls back to .venv/bin/python), RESULTS_DIR, GPU_CHECK_BUDGET_S
 # (480), GPU_CHECK_SITE (/tmp/site), GPU_CHECK_ONLY, GPU_CHECK_PPO_ARGS (extra gpu_step arguments), MAX_JOBS.
 set -uo pipefail
@@ -49,16 +57,17 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SCRIPT="$ROOT/tools/gpu_check.sh"
 cd "$ROOT" || exit 2
 
-STAGES=(env deps build parity models sanitizer nccl ppo_step bench vllm)
+STAGES=(env deps build decode parity models sanitizer nccl ppo_step bench vllm)
 # Per-stage budgets (s). They add up to more than the whole run's 480 s on purpose: each is a stage's ceiling, and a
-# stage gets at most what is left of the 480 s (minus RESERVE_S); expected on an H200 about 330 s in all (build ~60-90,
-# parity ~60, models ~30, sanitizer ~50, nccl ~15, ppo_step ~70, bench ~40).
-declare -A BUDGET=([env]=30 [deps]=40 [build]=180 [parity]=100 [models]=75 [sanitizer]=100 [nccl]=45 [ppo_step]=150
-                   [bench]=75 [vllm]=360)
+# stage gets at most what is left of the 480 s (minus RESERVE_S); expected on an H200 about 400 s in all (build ~60-90,
+# decode ~70, parity ~60, models ~30, sanitizer ~50, nccl ~15, ppo_step ~70, bench ~40).
+declare -A BUDGET=([env]=30 [deps]=40 [build]=180 [decode]=90 [parity]=100 [models]=75 [sanitizer]=100 [nccl]=45
+                   [ppo_step]=150 [bench]=75 [vllm]=360)
 declare -A WHAT=(
   [env]="environment report"
   [deps]="megatron-core from the carried wheels"
   [build]="CUDA extension against the device's torch"
+  [decode]="generation speed, 0.5 B bf16: eager step vs static loop vs CUDA graphs (tools/bench_decode.py, issue 46)"
   [parity]="ops parity suite on the CUDA kernels (CUDA_LAUNCH_BLOCKING=1), issue 23's edge rows"
   [models]="tests/integration/test_models_gpu.py (TE vs local spec, varlen THD, generation, a bf16 step after an HF load)"
   [sanitizer]="compute-sanitizer memcheck + racecheck on every kernel"
@@ -68,6 +77,7 @@ declare -A WHAT=(
   [vllm]="generation tokens/s, rollout.name=vllm vs megatron, 0.5 B model, 256 x 512"
 )
 ALWAYS=" env deps build "  # prerequisites: run even when --only names other stages
+BUILD_FREE=" env deps decode "  # stages that need no CUDA extension: --only naming these alone leaves build out
 RESERVE_S=10               # kept for the summary, the report and the log archive
 SKIP_RC=77
 PIPS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
@@ -85,6 +95,13 @@ need() {  # need STAGE WHY: skip this stage unless STAGE was ok
   local st
   st=$(status_of "$1")
   [ "$st" = ok ] || skip "$2 (stage $1: ${st:-not run})"
+}
+build_needed() {  # does a stage --only selects need the CUDA extension? (build itself, named, does)
+  local s
+  for s in $ONLY; do
+    [[ "$BUILD_FREE" == *" $s "* ]] || return 0
+  done
+  return 1
 }
 verl_filter() { "$PY" -c "import verl" 2>/dev/null && echo "" || echo " and not verl"; }
 
@@ -199,6 +216,20 @@ PY
   if command -v cuobjdump > /dev/null; then
     cuobjdump --list-elf ./megatron_ppo/_kernels_cuda*.so 2> /dev/null | sed 's/^/  /' | head -n 6
   fi
+}
+
+stage_decode() {
+  if [ "$DRY" = 1 ]; then
+    "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron') is None)" \
+      || skip "megatron-core is not importable here"
+    "$PY" tools/bench_decode.py --dry-run --out "$WORK/decode_dry.json" > "$WORK/logs/decode_dry.log" 2>&1 \
+      || { tail -n 40 "$WORK/logs/decode_dry.log"; fail "tools/bench_decode.py --dry-run"; }
+    grep -E '^(\||- |bench_decode:)' "$WORK/logs/decode_dry.log"
+    skip "no GPU (tools/bench_decode.py --dry-run timed the eager and static loops on a tiny fp32 model on the CPU)"
+  fi
+  need deps "megatron-core not importable"
+  "$PY" tools/bench_decode.py --out "$RESULTS/decode.json" --deadline-s $(( ${GPU_CHECK_STAGE_BUDGET:-90} - 20 )) \
+    || fail "tools/bench_decode.py (what it measured is in decode.json)"
 }
 
 PARITY_FILES=(tests/unit/test_ops_gae.py tests/unit/test_ops_logprob.py tests/unit/test_ops_backend.py
@@ -324,6 +355,8 @@ run_all() {
     echo "=== [$n/${#STAGES[@]}] $name: ${WHAT[$name]} (budget ${t}s, $(date +%T))"
     if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && [[ "$ALWAYS" != *" $name "* ]]; then
       st="skipped: not selected (--only)"; dt=0
+    elif [ "$name" = build ] && [ -n "$ONLY" ] && ! build_needed; then
+      st="skipped: not needed by the selected stages (--only $ONLY)"; dt=0
     elif [ "$t" -lt 5 ]; then
       st="skipped: out of time (${TOTAL_BUDGET}s budget spent)"; dt=0
     else

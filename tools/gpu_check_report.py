@@ -3,11 +3,12 @@
 
     python tools/gpu_check_report.py summarize --work WORK --results RESULTS --elapsed S --budget S --dry-run 0|1
         (called by gpu_check.sh at its end) RESULTS/results.json: every stage's status and time, the environment,
-        the test counts, the sanitizer summaries, the NCCL outcome, the PPO step; RESULTS/summary.md: the same,
-        readable.
+        the test counts, the sanitizer summaries, the NCCL outcome, the PPO step, the decode speeds (stage decode:
+        tools/bench_decode.py); RESULTS/summary.md: the same, readable.
     python tools/gpu_check_report.py record DIR [--out docs/bench/gpu.md] [--kernels-page docs/bench/kernels.md]
         (gpu_check.sh --record DIR) DIR holds the files the device call brought back (results.json, ppo_step.json,
-        kernels_gpu.md, ...): writes the GPU page, and the GPU section of the kernels page from kernels_gpu.md
+        decode.json, kernels_gpu.md, ...): writes the GPU page (with a 'pending' decode section when no run of
+        it measured the decode step), and the GPU section of the kernels page from kernels_gpu.md
         (tools/bench_kernels.py --record-gpu; --kernels-page '' leaves it alone). Then regenerate
         docs/benchmarks.md with tools/collect_benchmarks.py.
     python tools/gpu_check_report.py placeholder [--out docs/bench/gpu.md]
@@ -29,6 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "bench" / "gpu.md"
 KERNELS_PAGE = ROOT / "docs" / "bench" / "kernels.md"
 DEVICE_CALL = 'run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=600)'
+DECODE_CALL = "run(command='GPU_CHECK_ONLY=decode GPU_CHECK_BUDGET_S=200 bash tools/gpu_check.sh', carry=['.whl'], " \
+              "timeout_s=300)"
+DECODE_GOALS = ">= 20,000 tokens/s at 64 prompts x 256 new tokens, >= 40,000 tokens/s at 256 x 512, a decode step " \
+               "<= 3 ms at 64 rows"
 
 
 def stage_list() -> list[tuple[str, int, str]]:
@@ -98,6 +103,7 @@ def summarize(args) -> int:
         "nccl": read_json(work / "nccl.json"),
         "ppo_step": read_json(results / "ppo_step.json") or read_json(work / "ppo_step_dry.json"),
         "engines": read_json(results / "engines.json"),
+        "decode": read_json(results / "decode.json") or read_json(work / "decode_dry.json"),
         "kernels_gpu_md": (results / "kernels_gpu.md").is_file(),
     }
     (results / "results.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
@@ -184,9 +190,56 @@ def summary_markdown(r: dict) -> str:
     lines.append("")
     if r.get("ppo_step"):
         lines += ["## PPO step", ""] + ppo_lines(r["ppo_step"]) + [""]
+    if r.get("decode"):
+        lines += ["## Decode step (stage decode, issue 46)", ""] + decode_lines(r["decode"]) + [""]
     if r.get("engines"):
         lines += ["## Rollout engines (stage vllm)", ""] + engine_lines(r["engines"]) + [""]
     return "\n".join(lines) + "\n"
+
+
+def decode_lines(d: dict) -> list[str]:
+    """tools/bench_decode.py's results: what ran, the systems x cases table, the goals."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_decode import markdown  # noqa: E402 (a tool beside this one)
+
+    lo, hi = d["prompt_len"]
+    head = (f"{d['arch']} ({d['params']:,} parameters, {d['dtype']}, {d['transformer_impl']} spec, random weights) on "
+            f"{d['device']} (torch {d['torch']}): prompts of {lo}-{hi} random token ids, temperature 1, no eos (every "
+            f"row makes exactly its N tokens), `DecodeOptions` defaults but for each system's own: eager = "
+            f"`static_step=False` (megatron's forward every step), static = `cuda_graphs=\"false\"`, graphs = "
+            f"`cuda_graphs=\"true\"`. ms / decode step = (wall - a 1-token run's wall) / (N - 1); host reads = "
+            f"outermost `item` / `_local_scalar_dense` / `nonzero` / `equal` / `is_nonzero` ops after the prefill "
+            f"(torch.profiler, a run of up to {d['profile_steps']} decode steps) per step. Floor: "
+            f"{d['param_bytes'] / 1e9:.3g} GB of {d['dtype']} weights / {d['bandwidth_gbs']:g} GB/s = "
+            f"{d['floor_ms']:.3g} ms per step (KV cache reads "
+            "left out).")
+    if d.get("dry_run"):
+        head = "Dry run only (CPU, not a measurement): " + head
+    lines = [head, "", markdown(d).rstrip()]
+    kv = [f"{c['case']} {c['floor_with_kv_ms']:.3g} ms" for c in d["cases"] if c.get("floor_with_kv_ms")]
+    if kv:
+        lines.append(f"- floor with the static KV cache's full read per step: {', '.join(kv)}")
+    lines.append(f"- `{d['command']}`, {d.get('elapsed_s', 0):.0f} s in all (model build {d['build_s']:.1f} s)")
+    return lines
+
+
+def decode_pending_lines(stages: list[tuple[str, int, str]] | None = None) -> list[str]:
+    """The page's decode section while no device run has measured it."""
+    budget, what = next(((b, w) for n, b, w in (stages or stage_list()) if n == "decode"), (90, ""))
+    return ["## Decode step (issue 46)", "",
+            "**Pending (no GPU lent).** The Megatron engine's generation speed at the Qwen2.5-0.5B shape in bf16 "
+            "(random weights), three systems interleaved in one process: today's eager step "
+            "(`DecodeOptions(static_step=False)`: megatron's forward every step), the static loop (`cuda_graphs=\"false\"`) and the static loop as CUDA "
+            "graphs (`cuda_graphs=\"true\"`); per system and case (64x256, 256x512): tokens/s, ms per decode step "
+            "and its ratio to the bandwidth floor (bf16 weights / the GPU's memory bandwidth), host reads per step. "
+            f"Goals: {DECODE_GOALS}.", "",
+            "| stage | what | budget (s) | result |", "|---|---|---:|---|",
+            f"| decode | {what} | {budget} | pending (no GPU lent) |", "",
+            "Run `bash tools/gpu_check_prepare.sh` here, then the device call "
+            f"`{DECODE_CALL}` (env, deps and decode only: about 2 minutes on the machine), then "
+            "`bash tools/gpu_check.sh --record <the folder the files came back to>` (it keeps this section pending "
+            "until a run brings `decode.json` back). On a CPU, `python tools/bench_decode.py --dry-run` runs the "
+            "eager and static systems on a tiny fp32 model in seconds."]
 
 
 def engine_lines(e: dict) -> list[str]:
@@ -220,15 +273,17 @@ def placeholder(args) -> int:
                              "of the run's 480 s; about 330 s are expected in all):", "",
                              "| # | stage | what | budget (s) |", "|---:|---|---|---:|"]
     lines += [f"| {n} | {name} | {what} | {budget} |" for n, (name, budget, what) in enumerate(stage_list(), 1)]
-    lines += ["", "Results come back as up to seven files: `gpu_check.log` (the console), `summary.md`, "
+    lines += ["", "Results come back as up to eight files: `gpu_check.log` (the console), `summary.md`, "
               "`results.json`, `logs.tar.gz` (a log per stage, junit XML, sanitizer and build logs), `ppo_step.json`, "
-              "`kernels_gpu.md` and `engines.json` (stage vllm, run alone: `GPU_CHECK_ONLY=vllm "
+              "`kernels_gpu.md`, `decode.json` (stage decode: tools/bench_decode.py) and `engines.json` (stage vllm, "
+              "run alone: `GPU_CHECK_ONLY=vllm "
               "GPU_CHECK_BUDGET_S=420 bash tools/gpu_check.sh`: the same PPO step with rollout.name=megatron and "
               "=vllm at 256 prompts x 512 tokens, generation tokens/s of each; it needs vLLM in the image). The PPO "
               "step reports its step time, tokens/s and MFU = 6 x parameters x tokens / "
               "step time / 989 TFLOP/s (the H200's dense bf16 datasheet peak), beside the actor update's own MFU "
               "and an all-passes FLOP count; the NCCL stage records NCCL's answer to two ranks on one GPU (it "
               "normally refuses them: 'Duplicate GPU detected')."]
+    lines += [""] + decode_pending_lines()
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0
@@ -243,6 +298,9 @@ def record(args) -> int:
         sys.exit("gpu_check_report record: these are a dry run's results; record a device run's")
     if not r.get("ppo_step") and (src / "ppo_step.json").is_file():
         r["ppo_step"] = read_json(src / "ppo_step.json")
+    if not r.get("decode") and (src / "decode.json").is_file():
+        r["decode"] = read_json(src / "decode.json")
+    decode_measured = bool(r.get("decode"))
     c = r["counts"]
     lines = page_header() + [f"Run finished {r['finished_utc']}: `gpu_check: {c['ok']} ok, {c['failed']} failed, "
                              f"{c['skipped']} skipped in {r['elapsed_s']} s`.", ""]
@@ -271,10 +329,15 @@ def record(args) -> int:
             sys.exit(f"gpu_check_report record: {rerun}/results.json missing, unreadable or a dry run's")
         if not rr.get("ppo_step") and (Path(rerun) / "ppo_step.json").is_file():
             rr["ppo_step"] = read_json(Path(rerun) / "ppo_step.json")
+        if not rr.get("decode") and (Path(rerun) / "decode.json").is_file():
+            rr["decode"] = read_json(Path(rerun) / "decode.json")
+        decode_measured = decode_measured or bool(rr.get("decode"))
         rc = rr["counts"]
         lines += [f"## Rerun, finished {rr['finished_utc']}", "",
                   f"`gpu_check: {rc['ok']} ok, {rc['failed']} failed, {rc['skipped']} skipped in {rr['elapsed_s']} s`",
                   "", summary_markdown(rr).split("\n", 3)[3].strip(), ""]
+    if not decode_measured:
+        lines += decode_pending_lines() + [""]
     Path(args.out).write_text("\n".join(lines).rstrip() + "\n")
     print(f"wrote {args.out}; now: python tools/collect_benchmarks.py")
     return 0

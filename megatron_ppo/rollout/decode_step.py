@@ -196,12 +196,14 @@ def static_attention(q, k, v, keep, scale):
 class StaticStep:
     """One forward of this stage over a ``StaticKVCache``.
 
-    ``step(x, cols, keep, cache, rows=slice(None), kv=slice(None))``: ``x`` token ids [B, s] on the first stage,
+    ``step(x, cols, keep, cache, rows=slice(None), kv=slice(None), decode=False)``: ``x`` token ids [B, s] on the
+    first stage,
     else the previous stage's hidden states [s, B, H]; ``cols`` [s] the cache columns (= rotary positions) of these
     tokens, a device tensor; ``keep`` [B, 1, s, K] the attention mask over cache columns ``kv`` (True = attend);
     ``rows``: the cache rows these B rows are. Returns the last position's logits [B, V_padded] (gathered over TP)
     on the last stage, else the hidden states [s, B, H] to send on. Decode calls it with fixed shapes and device
-    tensors only, so it can be captured (``decode``)."""
+    tensors only, so it can be captured (``decode``), and runs the GEMMs on the prepacked weights where there are
+    some; prefill on plain GEMMs (which the worker's cpu_gemm routing may send to oneDNN)."""
 
     def __init__(self, core, max_len: int, rows: int, packed: bool = True):
         self.core = core
@@ -211,25 +213,27 @@ class StaticStep:
         self.output_weight = core.shared_embedding_or_output_weight() if (
             core.post_process and core.share_embeddings_and_output_weights) else None
         self.packed = packed and onednn_packable(core)
-        self.linears = layer_linears(core, rows if self.packed else None, self.output_weight) if plain_linears(
-            core) else None
+        plain = plain_linears(core)
+        self.linears = layer_linears(core, None, self.output_weight) if plain else None  # prefill: plain GEMMs
+        self.decode_linears = layer_linears(core, rows, self.output_weight) if self.packed else self.linears
         self.scales = {layer.self_attention.layer_number: _softmax_scale(layer.self_attention)
                        for layer in core.decoder.layers}
 
     @torch.no_grad()
-    def __call__(self, x, cols, keep, cache: StaticKVCache, rows=slice(None), kv=slice(None)):
+    def __call__(self, x, cols, keep, cache: StaticKVCache, rows=slice(None), kv=slice(None), decode=False):
         core = self.core
         cos, sin = rope_cos_sin(self.freqs.index_select(0, cols), self.mscale, self.cfg.params_dtype)
         h = core.embedding(input_ids=x, position_ids=None) if core.pre_process else x
+        linears = self.decode_linears if decode else self.linears
         for layer in core.decoder.layers:
-            h = self._layer(layer, h, cos, sin, cols, keep, cache, rows, kv)
+            h = self._layer(layer, linears, h, cos, sin, cols, keep, cache, rows, kv)
         if not core.post_process:
             return h
         h = h[-1:]
         if core.decoder.final_layernorm is not None:
             h = core.decoder.final_layernorm(h)
-        if self.linears is not None:
-            logits, _ = self.linears["output"](h)
+        if linears is not None:
+            logits, _ = linears["output"](h)
         else:
             logits, _ = core.output_layer(h, weight=self.output_weight, runtime_gather_output=True)
         return logits[0]
@@ -239,11 +243,11 @@ class StaticStep:
         row i attends to columns ``first_col[i] .. pos``. Fixed shapes, no host read: capturable."""
         cols = torch.arange(cache.max_len, device=pos.device)
         keep = ((cols >= first_col[:, None]) & (cols <= pos)).view(first_col.size(0), 1, 1, cache.max_len)
-        return self(x, pos, keep, cache)
+        return self(x, pos, keep, cache, decode=True)
 
-    def _layer(self, layer, h, cos, sin, cols, keep, cache, rows, kv):
+    def _layer(self, layer, linears, h, cos, sin, cols, keep, cache, rows, kv):
         att = layer.self_attention
-        lin = self.linears[att.layer_number] if self.linears is not None else None
+        lin = linears[att.layer_number] if linears is not None else None
         x = layer.input_layernorm(h)
         q, k, v = att.get_query_key_value_tensors(x, None) if lin is None else _split_qkv(att, lin["qkv"](x)[0])
         interleaved = self.cfg.rotary_interleaved

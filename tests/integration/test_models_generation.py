@@ -176,6 +176,8 @@ def test_grouped_prefill_of_far_apart_lengths_equals_aligned_loop(actor):
 
 
 def test_dropping_finished_rows_changes_no_result(actor):
+    """megatron's forward loop (the fallback) drops finished rows every step; the static loop at bucket sizes
+    (test_generation_static_step.py)."""
     from megatron_ppo.rollout.generation import generate
 
     prompts = _prompts()
@@ -189,9 +191,9 @@ def test_dropping_finished_rows_changes_no_result(actor):
                                 eos_token_ids=eos)):
         shapes, handle = _forward_batches(actor)
         try:
-            dropped = generate(actor, prompts, base, DecodeOptions(drop_finished=True))
+            dropped = generate(actor, prompts, base, DecodeOptions(static_step=False, drop_finished=True))
             batches = [s[0] for s in shapes]
-            kept = generate(actor, prompts, base, DecodeOptions(drop_finished=False))
+            kept = generate(actor, prompts, base, DecodeOptions(static_step=False, drop_finished=False))
         finally:
             handle.remove()
         for name in ("responses", "response_lengths", "finished"):

@@ -90,6 +90,71 @@ def test_generation_on_gpu_kv_cache_equals_recompute(megatron_single):
     torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-4, rtol=0)
 
 
+def _decode_prompts():
+    return _seqs(500, (5, 9, 3, 12, 7, 7))
+
+
+def test_static_decode_graphs_equal_eager_and_follow_a_weight_update(megatron_single):
+    """rollout.megatron.cuda_graphs: the graphed decode step gives the eager static step's tokens and log-probs,
+    and megatron's forward's; after an optimizer step with a large learning rate the next rollout's graphs run the
+    new weights (captured afresh per rollout), which a graph left on the old weights would not."""
+    from megatron_ppo.models.gpt import build_gpt_model
+    from megatron_ppo.rollout.generation import DecodeOptions, SamplingParams, generate
+
+    model = build_gpt_model(tiny_arch(vocab_size=500), "actor", params_dtype=torch.float32)
+    params = SamplingParams(max_response_length=20, temperature=1.0, seed=3)
+    greedy = SamplingParams(max_response_length=20, greedy=True)
+
+    def three(p):
+        graphs = generate(model, _decode_prompts(), p, DecodeOptions(cuda_graphs="true", alive_check_interval=2))
+        eager = generate(model, _decode_prompts(), p, DecodeOptions(cuda_graphs="false", alive_check_interval=2))
+        megatron = generate(model, _decode_prompts(), p, DecodeOptions(static_step=False))
+        return graphs, eager, megatron
+
+    before = three(params)
+    for other in before[1:]:
+        assert torch.equal(before[0].responses, other.responses)
+        torch.testing.assert_close(before[0].log_probs, other.log_probs, atol=1e-4, rtol=0)
+    old_greedy = generate(model, _decode_prompts(), greedy, DecodeOptions(cuda_graphs="true"))
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)  # in place, as megatron's optimizer writes the params
+    ids = torch.cat([p[:3] for p in _decode_prompts()]).view(-1, 3)
+    model(ids, None, None)[..., 7].sum().backward()
+    opt.step()
+    graphs, eager, megatron = three(greedy)
+    assert not torch.equal(graphs.responses, old_greedy.responses)  # the update changed what greedy decodes
+    assert torch.equal(graphs.responses, megatron.responses) and torch.equal(graphs.responses, eager.responses)
+    torch.testing.assert_close(graphs.log_probs, megatron.log_probs, atol=1e-4, rtol=0)
+
+
+def test_static_decode_loop_never_syncs_and_prefill_keeps_fused_attention(megatron_single, monkeypatch):
+    """On the device: the decode loop (eager static step, every step) makes no synchronizing call
+    (torch.cuda.set_sync_debug_mode('error') raises on one; the lagged alive count reads pinned memory after an
+    event); bf16 GQA prefill and decode run with SDPA's math backend disabled (a masked enable_gqa call would need
+    it: an fp32 [B, H, s, s] matrix)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_ppo.models.gpt import build_gpt_model
+    from megatron_ppo.rollout import static_loop
+    from megatron_ppo.rollout.generation import DecodeOptions, SamplingParams, generate
+
+    model = build_gpt_model(tiny_arch(vocab_size=500, kv_channels=64), "actor", params_dtype=torch.bfloat16)
+    real = static_loop._decode_loop
+
+    def strict(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(static_loop, "_decode_loop", strict)
+    params = SamplingParams(max_response_length=24, temperature=1.0, seed=1)
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused):
+        out = generate(model, _decode_prompts(), params, DecodeOptions(cuda_graphs="false"))
+    assert out.responses.shape == (6, 24)
+
+
 def test_cpu_gemm_routing_stays_off_on_gpu(megatron_single, monkeypatch):
     """cpu_gemm=onednn must not put its per-op Python dispatch mode on a GPU worker's passes."""
     from megatron_ppo.ops import cpu_matmul
