@@ -1,13 +1,18 @@
-"""Batched generation for online rollouts: a KV-cached decode loop of our own over GPTModel.forward.
+"""Batched generation for online rollouts: the front door (``generate``), sampling, and megatron's-forward loops.
+
+``generate`` runs the static decode loop (``rollout.static_loop``: a preallocated KV cache, no host read in the
+decode step, batch buckets, CUDA graphs on a GPU; docs/rollout.md) for every model ``decode_step.StaticStep`` covers.
+A model it does not cover (MoE, MLA, ...: ``decode_step.unsupported_reason``, logged once as a WARNING),
+``DecodeOptions(static_step=False)`` and ``use_kv_cache=False`` take the loops below, over ``GPTModel.forward``
+with megatron's ``StaticInferenceContext``.
 
 Why not megatron's inference engines: the dynamic engine needs flash-attn and CUDA; the legacy static engine
 (``StaticInferenceEngine(legacy=True)``) runs on CPU but only through a text-generation controller built around
 tokenizers/detokenisation, CUDA events and its own request objects, and is on its way out. What PPO needs is
-narrow — token ids in, token ids and the rollout log-probs of the sampled tokens out, identical on every rank — and
-megatron's model already provides the KV cache (``StaticInferenceContext``). So the loop is ours, the
-attention/KV-cache/RoPE code is megatron's.
+narrow — token ids in, token ids and the rollout log-probs of the sampled tokens out, identical on every rank.
 
-Two ways to fill the cache with prompts of different lengths (``DecodeOptions.prefill``, docs/models.md):
+Two ways megatron's forward path fills the cache with prompts of different lengths (``DecodeOptions.prefill``,
+docs/models.md):
 
 * ``"ragged"`` (default where the core attention takes a mask: our ``SDPACoreAttention``): prompts are left-padded
   to the longest; with the KV cache the rows, sorted by length, are prefilled in groups of similar lengths
@@ -15,14 +20,14 @@ Two ways to fill the cache with prompts of different lengths (``DecodeOptions.pr
   causal + key-padding mask, then every row decodes one token per step (``max_response_length`` steps at most).
   Each row's tokens sit at columns ``pad_i .. pad_i+n-1``; RoPE is relative (q.k depends on the position
   difference only), so the attention scores equal those of the row alone at positions 0..n-1 up to float rounding
-  (~1e-6 in fp32).
+  (~1e-6 in fp32). The static loop prefills the same way.
 * ``"aligned"`` (needs no mask, so TE's fused attention works unchanged; the default for any other core
   attention): as megatron's legacy engine does, the batch prefills up to the shortest prompt, then advances one
   position per step; a row still inside its prompt takes its next prompt token instead of the sample.
   ``(longest - shortest prompt) + max_response_length`` steps.
 
-Finished rows (eos or length) leave the decode batch (``drop_finished``): their KV-cache rows are compacted away,
-so the rest of the batch stops paying for them. Results do not depend on it.
+On megatron's forward path finished rows (eos or length) leave the decode batch every step (``drop_finished``):
+their KV-cache rows are compacted away. Results do not depend on it.
 
 Rollout log-probs are ``log_softmax(logits / temperature)`` at the chosen token, over the full (true) vocab, before
 top-k / top-p truncation — the quantity the trainer recomputes teacher-forced with the same temperature. It is
@@ -31,16 +36,10 @@ and inverts the CDF (no [B, V] exponential draw as ``torch.multinomial`` does); 
 enabled.
 
 Keys are cached RoPE-rotated (``attention.CachedRopeSelfAttention``: megatron re-rotates the whole cache every
-step) and one-token steps run through ``decode_step.DecodeStep`` (``lean_decode``: the same modules without
-``GPTModel.forward``'s scaffolding); both are bit-identical to megatron's path. On CPU in fp32 that step's GEMMs
-run on oneDNN-prepacked weights (``packed_linears``: faster than MKL's sgemm at a decode step's few rows on the CPUs
-measured, docs/bench/peer.md; log-probs to fp32 rounding), and
-the prefill forwards' GEMMs on oneDNN too (``onednn_prefill``, ``ops.cpu_matmul``; a worker passes its own
-``cpu_gemm`` decision, so ``auto`` keeps a small model's prefill on torch's GEMMs).
-
-``compile_decode`` (``rollout.megatron.use_torch_compile``) runs the one-token decode forwards through ``torch.compile``
-(dynamic shapes: the batch shrinks and the cache grows every step; prefill stays eager). Compiled code is cached per
-process (``_compiled_forward``), so only the first rollout pays the compile time. Measured on CPU: docs/bench/peer.md.
+step), bit-identical to megatron's path. The prefill forwards' GEMMs may run on oneDNN (``onednn_prefill``,
+``ops.cpu_matmul``; a worker passes its own ``cpu_gemm`` decision, so ``auto`` keeps a small model's prefill on
+torch's GEMMs). ``compile_decode`` (``rollout.megatron.use_torch_compile``) compiles the static decode step
+(``fullgraph=True``), or on this path the one-token forwards (``torch.compile(dynamic=True)``).
 
 Parallelism: TP>1 (logits gathered over TP), PP>1 (hidden states passed stage to stage with send/recv; the last
 stage samples), sequence parallelism switched off during generation and restored after. Only the last stage's

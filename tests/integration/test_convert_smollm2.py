@@ -59,6 +59,7 @@ def test_smollm2_logits_greedy_and_round_trip(smollm2, tmp_path, megatron_single
     arch = arch_from_hf_config(hf_dir)
     model = build_gpt_model(arch).eval()
     load_dist_checkpoint(model, ckpt, strict=True)
+    hf_conts = []
     for ids in prompts:
         with torch.no_grad():
             want = hf_model(ids).logits.float()
@@ -69,6 +70,20 @@ def test_smollm2_logits_greedy_and_round_trip(smollm2, tmp_path, megatron_single
         hf_cont = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                     do_sample=False, eos_token_id=None, pad_token_id=0)[:, ids.shape[1]:]
         assert torch.equal(megatron_greedy(model, ids, arch.vocab_size, NEW_TOKENS), hf_cont)
+        hf_conts.append(hf_cont[0])
+    # the rollout engine (the static decode loop, GQA 9/3), the prompts batched ragged: HF's greedy tokens; greedy
+    # and seeded sampling equal to megatron's forward path to fp32 rounding
+    from megatron_ppo.rollout.generation import DecodeOptions, SamplingParams, generate
+
+    flat = [ids[0] for ids in prompts]
+    for params in (SamplingParams(max_response_length=NEW_TOKENS, greedy=True),
+                   SamplingParams(max_response_length=NEW_TOKENS, temperature=0.7, seed=11)):
+        ours = generate(model, flat, params)
+        full = generate(model, flat, params, DecodeOptions(static_step=False))
+        assert torch.equal(ours.responses, full.responses)
+        torch.testing.assert_close(ours.log_probs, full.log_probs, atol=1e-4, rtol=0)
+        if params.greedy:
+            assert all(torch.equal(ours.responses[i], hf_conts[i]) for i in range(len(flat)))
 
     back = str(tmp_path / "hf_back")
     mcore_to_hf(ckpt, back, quiet=True)
