@@ -49,7 +49,7 @@ ENGINES = ("megatron", "vllm", "hf")
 BUILD = REPO / "build" / "bench-generation"  # the vLLM actor's converted checkpoint (hf_import) and engine logs
 GPU_COMMAND = ("python tools/bench_generation.py --engines megatron vllm --cases 256x512 "
                "--model <HF folder of a 0.5-1.5B Llama/Qwen2 instruct model>")
-LABELS = {"hf_generate": "HF `generate`", "ours": "ours (ragged prefill)", "ours_before": "ours before (aligned loop)",
+LABELS = {"hf_generate": "HF `generate`", "ours": "ours (static loop, the default)", "ours_before": "ours before (`--before-rev`)",
           "ours_compiled": "ours, decode torch.compile'd", "vllm": "vLLM (actor rank, `rollout.name=vllm`)"}
 
 
@@ -79,21 +79,29 @@ def prompt_ids(tok, texts: list[str]) -> list[torch.Tensor]:
 
 def old_generation_module(rev: str):
     """The generation module as of git revision ``rev`` (the rollout package's generation.py; before issue 24 it
-    lived in the models package), imported under another name."""
-    for where in ("rollout", "models"):
-        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:megatron_ppo/" + where + "/generation.py"],
-                               capture_output=True, text=True)
-        if shown.returncode == 0:
-            break
-    shown.check_returncode()
-    src = shown.stdout
-    path = Path(tempfile.mkdtemp(prefix="gen-before-")) / "generation_before.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("generation_before", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    lived in the models package), imported under another name, with that revision's decode_step beside it."""
+    def show(path):
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:megatron_ppo/{path}"], capture_output=True,
+                               text=True)
+        return shown.stdout if shown.returncode == 0 else None
+
+    def load(name, src):
+        path = Path(tempfile.mkdtemp(prefix="gen-before-")) / f"{name}.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up
+        spec.loader.exec_module(mod)
+        return mod
+
+    src = show("rollout/generation.py") or show("models/generation.py")
+    if src is None:
+        raise SystemExit(f"bench: no generation.py at revision {rev}")
+    step = show("rollout/decode_step.py")
+    if step is not None:
+        load("decode_step_before", step)
+        src = src.replace("from megatron_ppo.rollout.decode_step import", "from decode_step_before import")
+    return load("generation_before", src)
 
 
 def cpu_seconds() -> float:

@@ -316,6 +316,7 @@ def _rollout(cfg: PPOConfig, errs: _Errors) -> None:
     m = r.megatron
     errs.check(m.alive_check_interval >= 1, "rollout.megatron.alive_check_interval", "must be >= 1")
     errs.check(m.prefill_token_budget >= 1, "rollout.megatron.prefill_token_budget", "must be >= 1")
+    errs.check(m.max_num_seqs >= 1, "rollout.megatron.max_num_seqs", "must be >= 1")
     errs.check(not (m.cuda_graphs is True and cfg.cluster.device == "cpu"), "rollout.megatron.cuda_graphs",
                "true needs a CUDA device (cluster.device=cpu); auto turns CUDA graphs on where there is one")
     errs.check(all(b >= 1 for b in m.batch_buckets), "rollout.megatron.batch_buckets",

@@ -263,6 +263,8 @@ class MegatronRolloutConfig:
                                       "decode loop's only host read)", None)
     prefill_token_budget: int = field(16384, "at most this many prompt tokens (rows x padded length) per prefill "
                                       "forward", None)
+    max_num_seqs: int = field(256, "rows a replica decodes at once (vLLM's name); a larger rollout is decoded in "
+                              "turns of this many rows, longest prompts first (same samples)", None)
 
 
 @dataclass

@@ -79,12 +79,13 @@ class DecodeOptions:
     batch_buckets: tuple = ()  # decode batch sizes to compact to (empty: powers of two)
     alive_check_interval: int = 8  # decode steps between the host's reads of the unfinished count
     prefill_token_budget: int = 16384  # at most this many prompt tokens (rows x padded length) per prefill forward
+    max_num_seqs: int = 256  # rows the static loop decodes at once (vLLM's name); more are decoded in turns
 
     def __post_init__(self):
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"DecodeOptions.prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
-        if self.alive_check_interval < 1 or self.prefill_token_budget < 1:
-            raise ValueError("DecodeOptions: alive_check_interval and prefill_token_budget must be >= 1")
+        if min(self.alive_check_interval, self.prefill_token_budget, self.max_num_seqs) < 1:
+            raise ValueError("DecodeOptions: alive_check_interval, prefill_token_budget and max_num_seqs must be >= 1")
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -25,7 +25,8 @@ def decode_options(engine_cfg, *, onednn: bool, cpu_gemm: str) -> DecodeOptions:
                          cuda_graphs=graphs if isinstance(graphs, str) else str(graphs).lower(),
                          batch_buckets=tuple(engine_cfg.batch_buckets),
                          alive_check_interval=engine_cfg.alive_check_interval,
-                         prefill_token_budget=engine_cfg.prefill_token_budget)
+                         prefill_token_budget=engine_cfg.prefill_token_budget,
+                         max_num_seqs=engine_cfg.max_num_seqs)
 
 
 class MegatronEngine:

@@ -195,46 +195,57 @@ def compile_decode(step):
 
 
 def generate_static(model, prompts, params, options, vocab):
-    """The static loop (module docstring). Returns the rows' results in their original order."""
-    from megatron_ppo.rollout.generation import (_forward_cost_tokens, _ragged_prefill_mask, _Results, _Sampler,
-                                                 prefill_groups)
+    """The static loop (module docstring). Returns the rows' results in their original order. Rows sorted by prompt
+    length are decoded ``options.max_num_seqs`` at a time (one cache each); every row draws the uniform of its
+    original index at each step, so the cap changes no sample."""
+    from megatron_ppo.rollout.generation import _Results
 
     device = next(unwrap_model(model).parameters()).device
-    b, r = len(prompts), params.max_response_length
-    lengths = [p.numel() for p in prompts]
-    width = max(lengths)
+    res = _Results(len(prompts), params.max_response_length, params, device)
+    order = sorted(range(len(prompts)), key=lambda i: -prompts[i].numel())  # longest first (stable)
+    cap = options.max_num_seqs or len(order)
+    for start in range(0, len(order), cap):
+        _generate_rows(model, prompts, order[start:start + cap], params, options, vocab, res)
+    return res.output()
+
+
+def _generate_rows(model, prompts, order, params, options, vocab, res):
+    """Prefill and decode the rows ``order`` (original indices, longest prompt first) into ``res``."""
+    from megatron_ppo.rollout.generation import _forward_cost_tokens, _ragged_prefill_mask, _Sampler, prefill_groups
+
+    device = res.responses.device
+    b, r = len(order), params.max_response_length
+    sorted_len = [prompts[i].numel() for i in order]
+    width = sorted_len[0]
     total = width + r
-    tokens = torch.zeros(b, total, dtype=torch.long, device=device)  # inputs: 0 under the padding (masked)
-    for i, p in enumerate(prompts):
-        tokens[i, width - p.numel():width] = p.to(device)
-    first_col = torch.tensor([width - n for n in lengths], device=device)
-    key_pad = torch.arange(total, device=device).unsqueeze(0) < first_col.unsqueeze(1)  # [B, total]
-    res = _Results(b, r, params, device)
+    tokens = torch.zeros(b, total, dtype=torch.long, device=device)  # by cache row; 0 under the padding (masked)
+    for row, i in enumerate(order):
+        tokens[row, width - sorted_len[row]:width] = prompts[i].to(device)
+    first_col = torch.tensor([width - n for n in sorted_len], device=device)  # each cache row's first prompt column
+    key_pad = torch.arange(total, device=device).unsqueeze(0) < first_col.unsqueeze(1)  # [b, total]
     runner = StaticRunner(model, b, total, options)
-    sampler = _Sampler(params, vocab, b, device)
-    order = sorted(range(b), key=lambda i: -lengths[i])  # longest first (stable), so length groups are contiguous
+    sampler = _Sampler(params, vocab, res.responses.size(0), device)
     rows = torch.tensor(order, device=device)  # original index of each cache row
-    sorted_len = [lengths[i] for i in order]
 
     with record_function("generate/prefill"):
         pieces = []
         groups = prefill_groups(sorted_len, _forward_cost_tokens(device))
         for i, j in prefill_chunks(groups, sorted_len, options.prefill_token_budget):
             start = width - sorted_len[i]
-            g = rows[i:j]
-            keep = ~_ragged_prefill_mask(key_pad[g], width, start)[..., start:]
+            keep = ~_ragged_prefill_mask(key_pad[i:j], width, start)[..., start:]
             cols = torch.arange(start, width, device=device)
-            pieces.append(runner.prefill(tokens[g, start:width], cols, keep, slice(i, j), slice(start, width)))
+            pieces.append(runner.prefill(tokens[i:j, start:width], cols, keep, slice(i, j), slice(start, width)))
         logits = torch.cat(pieces) if runner.last else None
 
     with record_function("generate/decode_loop"):
-        _decode_loop(runner, sampler, res, logits, tokens, rows, first_col[rows], width, r, options)
-    return res.output()
+        _decode_loop(runner, sampler, res, logits, tokens, rows, first_col, width, r, options)
 
 
 def _decode_loop(runner, sampler, res, logits, tokens, rows, row_first_col, width, r, options):
-    """One token per step for every row of the current bucket until every row is done or ``r`` tokens are out."""
+    """One token per step for every row of the current bucket until every row is done or ``r`` tokens are out.
+    ``rows``: each cache row's original index (into ``res``); ``tokens``: by the rows' initial cache order."""
     device = tokens.device
+    slot = torch.arange(rows.numel(), device=device)  # each cache row's row of ``tokens``
     buckets = batch_buckets(rows.numel(), options.batch_buckets) if options.drop_finished else [rows.numel()]
     count = AliveCount(options.alive_check_interval, device)
     alive = torch.ones(rows.numel(), dtype=torch.bool, device=device)  # over the cache rows: not finished yet
@@ -243,7 +254,7 @@ def _decode_loop(runner, sampler, res, logits, tokens, rows, row_first_col, widt
         cur = width + step  # the column this step's token goes to
         with record_function("generate/sample"):
             nxt, lp = sampler(logits, rows)
-        tokens[rows, cur] = torch.where(alive, nxt, 0)
+        tokens[slot, cur] = torch.where(alive, nxt, 0)
         res.responses[rows, step] = torch.where(alive, nxt, res.responses[rows, step])  # (no boolean indexing:
         res.log_probs[rows, step] = torch.where(alive, lp, res.log_probs[rows, step])  # it would sync the host)
         res.lengths[rows] = torch.where(alive, step + 1, res.lengths[rows])
@@ -258,8 +269,8 @@ def _decode_loop(runner, sampler, res, logits, tokens, rows, row_first_col, widt
         if n_alive is not None and bucket_for(n_alive, buckets) < rows.numel():
             with record_function("generate/compact"):
                 keep = torch.argsort((~alive).to(torch.uint8), stable=True)[:bucket_for(n_alive, buckets)]
-                rows, alive, row_first_col = rows[keep], alive[keep], row_first_col[keep]
+                rows, slot, alive, row_first_col = rows[keep], slot[keep], alive[keep], row_first_col[keep]
                 runner.keep_rows(keep)
         pos.fill_(cur)
         with record_function("generate/decode_forward"):
-            logits = runner.decode(tokens[rows, cur:cur + 1], pos, row_first_col)
+            logits = runner.decode(tokens[slot, cur:cur + 1], pos, row_first_col)

@@ -229,7 +229,7 @@ def test_decode_step_reads_nothing_back_and_the_loop_once_per_interval(megatron_
     assert counts["megatron"][0] >= 32 * 4, counts  # one per layer per step (mask check); its loop has no range
 
 
-def test_rows_leave_at_bucket_sizes_and_results_do_not_change(megatron_single, monkeypatch):
+def test_rows_leave_at_bucket_sizes_and_a_row_cap_and_results_do_not_change(megatron_single, monkeypatch):
     from megatron_ppo.models.gpt import build_gpt_model
     from megatron_ppo.rollout.decode_step import StaticKVCache
 
@@ -254,7 +254,14 @@ def test_rows_leave_at_bucket_sizes_and_results_do_not_change(megatron_single, m
     kept = generate(model, prompts, params, DecodeOptions(drop_finished=False))
     assert not sizes
     assert bool(kept.finished.any()) and not bool(kept.finished.all())
-    for other in (compacted, in_sixes):
+    # at most 5 rows decoded at once (three turns of rows, longest prompts first): the same samples
+    batches = []
+    real_init = StaticKVCache.__init__
+    monkeypatch.setattr(StaticKVCache, "__init__", lambda self, core, batch, *a: batches.append(batch) or real_init(
+        self, core, batch, *a))
+    capped = generate(model, prompts, params, DecodeOptions(drop_finished=False, max_num_seqs=5))
+    assert batches == [5, 5, 2], batches
+    for other in (compacted, in_sixes, capped):
         assert torch.equal(other.responses, kept.responses)
         assert torch.equal(other.response_lengths, kept.response_lengths)
         torch.testing.assert_close(other.log_probs, kept.log_probs, atol=1e-5, rtol=0)
