@@ -223,7 +223,7 @@ class StaticStep:
     def __call__(self, x, cols, keep, cache: StaticKVCache, rows=slice(None), kv=slice(None), decode=False):
         core = self.core
         cos, sin = rope_cos_sin(self.freqs.index_select(0, cols), self.mscale, self.cfg.params_dtype)
-        h = core.embedding(input_ids=x, position_ids=None) if core.pre_process else x
+        h = _embed(core.embedding, x) if core.pre_process else x
         linears = self.decode_linears if decode else self.linears
         for layer in core.decoder.layers:
             h = self._layer(layer, linears, h, cos, sin, cols, keep, cache, rows, kv)
@@ -266,6 +266,24 @@ class StaticStep:
         with layer.bias_dropout_add_exec_handler():
             h = layer.mlp_bda(False, self.cfg.bias_dropout_fusion)(out_with_bias, h, layer.hidden_dropout)
         return h
+
+
+def _embed(embedding, ids):
+    """megatron's ``LanguageModelEmbedding`` forward at inference (no position or token-type embeddings, no SP,
+    dropout off): [B, s] ids -> [s, B, H]. With TP > 1 megatron's ``VocabParallelEmbedding`` zeroes the other ranks'
+    ids and rows by boolean-mask assignment (``x[mask] = 0``: a ``nonzero``, i.e. a host read, every step); here the
+    same zeros come from ``masked_fill``."""
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    words = embedding.word_embeddings
+    if type(words) is not VocabParallelEmbedding or getattr(words, "reduce_scatter_embeddings", False):
+        return embedding(input_ids=ids, position_ids=None)
+    if words.tp_group.size() == 1:
+        return F.embedding(ids, words.weight).transpose(0, 1).contiguous()
+    outside = (ids < words.vocab_start_index) | (ids >= words.vocab_end_index)
+    local = (ids - words.vocab_start_index).masked_fill(outside, 0)
+    out = F.embedding(local, words.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_tensor_model_parallel_region(out, group=words.tp_group).transpose(0, 1).contiguous()
 
 
 def _softmax_scale(att) -> float:

@@ -93,8 +93,8 @@ class DecodeGraphs:
     for its prompt width) and reads the weights where they are, so an update between rollouts, in place or not,
     can never leave a graph on stale tensors."""
 
-    def __init__(self, step, cache: StaticKVCache):
-        self.step, self.cache = step, cache
+    def __init__(self, step):
+        self.step = step
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -106,11 +106,11 @@ class DecodeGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up (cuBLAS handles, allocator): this step's real output
-                out = self.step.decode(static["x"], pos, static["first_col"], self.cache)
+                out = self.step.decode(static["x"], pos, static["first_col"], cache)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):  # records; the cache writes are the warm-up's again
-                static["out"] = self.step.decode(static["x"], pos, static["first_col"], self.cache)
+                static["out"] = self.step.decode(static["x"], pos, static["first_col"], cache)
             self.graphs[b] = (graph, static)
             return out
         graph, static = self.graphs[b]
@@ -149,7 +149,7 @@ class StaticRunner:
         self.onednn = options.onednn_prefill and self.device.type == "cpu"
         self.decode_fn = self.step.decode
         if use_cuda_graphs(options.cuda_graphs, self.device):
-            self.decode_fn = DecodeGraphs(self.step, self.cache)
+            self.decode_fn = DecodeGraphs(self.step)
         elif options.compile_decode:
             self.decode_fn = compile_decode(self.step)
 
@@ -183,14 +183,7 @@ class StaticRunner:
 
 def compile_decode(step):
     """``torch.compile(step.decode, fullgraph=True)``: the step has no data-dependent control flow, so it compiles
-    as one graph per bucket shape (dynamo recompiles on a new batch size). megatron's linear layers call
-    ``warnings.warn`` (a deprecation notice) on every forward: registered as a reorderable logging function, dynamo
-    lifts it out of the graph instead of breaking there."""
-    import warnings
-
-    import torch._dynamo
-
-    torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
+    as one graph per bucket shape (dynamo recompiles on a new batch size); a graph break raises."""
     return torch.compile(step.decode, fullgraph=True, dynamic=False)
 
 

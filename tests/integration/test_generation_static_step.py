@@ -303,6 +303,11 @@ def _job_layouts(rank, world, layout):
                                                sequence_parallel=sp))
         params = SamplingParams(max_response_length=10, temperature=0.9, seed=3)
         static, megatron = _static_and_megatron(model, _prompts(), params)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            generate(model, _prompts(), params)
+        step_reads = _host_reads(prof, "generate/decode_forward")  # TP's embedding masks, collectives: none either
         stop = _eos_params(model, params)
         packed = generate(model, _prompts(), stop, DecodeOptions(alive_check_interval=1))
         with megatron_self_attention(model):
@@ -313,7 +318,7 @@ def _job_layouts(rank, world, layout):
     def close(a, b):
         return torch.equal(a.responses, b.responses) and float((a.log_probs - b.log_probs).abs().max()) < 1e-5
 
-    return {"close": close(static, megatron), "packed_close": close(packed, packed_ref),
+    return {"close": close(static, megatron), "packed_close": close(packed, packed_ref), "step_reads": step_reads,
             "stopped": bool(packed.finished.any()), "tokens": static.responses, "packed": packed.responses}
 
 
@@ -322,5 +327,6 @@ def _job_layouts(rank, world, layout):
 def test_static_loop_equals_megatron_on_two_ranks(dist_pool2, layout):
     r0, r1 = dist_pool2.run(_job_layouts, layout)
     assert r0["close"] and r1["close"]
+    assert r0["step_reads"] == 0 and r1["step_reads"] == 0, (r0["step_reads"], r1["step_reads"])
     assert r0["packed_close"] and r1["packed_close"] and r0["stopped"]  # oneDNN GEMMs, TP collectives, rows leaving
     assert torch.equal(r0["tokens"], r1["tokens"]) and torch.equal(r0["packed"], r1["packed"])
