@@ -238,12 +238,13 @@ class StaticStep:
             logits, _ = core.output_layer(h, weight=self.output_weight, runtime_gather_output=True)
         return logits[0]
 
-    def decode(self, x, pos, first_col, cache: StaticKVCache):
-        """The one-token step: token ids (or hidden states) of every cache row at column ``pos`` ([1], device);
-        row i attends to columns ``first_col[i] .. pos``. Fixed shapes, no host read: capturable."""
+    def decode(self, x, pos, first_col, cache: StaticKVCache, rows=slice(None)):
+        """The one-token step: token ids (or hidden states) of the cache rows ``rows`` (all of them by default) at
+        column ``pos`` ([1], device); row i attends to columns ``first_col[i] .. pos``. Fixed shapes, no host read:
+        capturable."""
         cols = torch.arange(cache.max_len, device=pos.device)
         keep = ((cols >= first_col[:, None]) & (cols <= pos)).view(first_col.size(0), 1, 1, cache.max_len)
-        return self(x, pos, keep, cache, decode=True)
+        return self(x, pos, keep, cache, rows=rows, decode=True)
 
     def _layer(self, layer, linears, h, cos, sin, cols, keep, cache, rows, kv):
         att = layer.self_attention

@@ -25,6 +25,7 @@ from torch.profiler import record_function
 from megatron_ppo.models.unwrap import unwrap_model
 from megatron_ppo.ops.cpu_matmul import onednn_matmul
 from megatron_ppo.rollout.decode_step import StaticKVCache, StaticStep
+from megatron_ppo.rollout.pipeline_decode import StepSampler, decode_pipelined, share_results
 
 logger = logging.getLogger(__name__)
 CUDA_GRAPHS = ("auto", "true", "false")
@@ -98,22 +99,23 @@ class DecodeGraphs:
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, x, pos, first_col, cache):
-        b = first_col.size(0)
-        if b not in self.graphs:
-            self.graphs.clear()  # buckets only shrink within a rollout
+    def __call__(self, x, pos, first_col, cache, rows=slice(None)):
+        key = (first_col.size(0), rows.start)  # a bucket, or a pipeline micro-batch's cache rows
+        if key not in self.graphs:
+            if rows == slice(None):
+                self.graphs.clear()  # buckets only shrink within a rollout
             static = {"x": x.clone(), "first_col": first_col.clone()}
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up (cuBLAS handles, allocator): this step's real output
-                out = self.step.decode(static["x"], pos, static["first_col"], cache)
+                out = self.step.decode(static["x"], pos, static["first_col"], cache, rows)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):  # records; the cache writes are the warm-up's again
-                static["out"] = self.step.decode(static["x"], pos, static["first_col"], cache)
-            self.graphs[b] = (graph, static)
+                static["out"] = self.step.decode(static["x"], pos, static["first_col"], cache, rows)
+            self.graphs[key] = (graph, static)
             return out
-        graph, static = self.graphs[b]
+        graph, static = self.graphs[key]
         static["x"].copy_(x)
         static["first_col"].copy_(first_col)
         graph.replay()
@@ -140,6 +142,7 @@ class StaticRunner:
         self.ps = ps
         self.first = ps.is_pipeline_first_stage(ignore_virtual=True)
         self.last = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.stages = ps.get_pipeline_model_parallel_world_size()
         cfg = self.core.config
         self.hidden, self.dtype = cfg.hidden_size, cfg.params_dtype
         self.device = next(self.core.parameters()).device
@@ -198,7 +201,9 @@ def generate_static(model, prompts, params, options, vocab):
     order = sorted(range(len(prompts)), key=lambda i: -prompts[i].numel())  # longest first (stable)
     cap = options.max_num_seqs or len(order)
     for start in range(0, len(order), cap):
-        _generate_rows(model, prompts, order[start:start + cap], params, options, vocab, res)
+        runner = _generate_rows(model, prompts, order[start:start + cap], params, options, vocab, res)
+    if runner.stages > 1:
+        share_results(res, runner)
     return res.output()
 
 
@@ -217,7 +222,8 @@ def _generate_rows(model, prompts, order, params, options, vocab, res):
     first_col = torch.tensor([width - n for n in sorted_len], device=device)  # each cache row's first prompt column
     key_pad = torch.arange(total, device=device).unsqueeze(0) < first_col.unsqueeze(1)  # [b, total]
     runner = StaticRunner(model, b, total, options)
-    sampler = _Sampler(params, vocab, res.responses.size(0), device)
+    pipelined = runner.stages > 1
+    sampler = (StepSampler if pipelined else _Sampler)(params, vocab, res.responses.size(0), device)
     rows = torch.tensor(order, device=device)  # original index of each cache row
 
     with record_function("generate/prefill"):
@@ -231,7 +237,11 @@ def _generate_rows(model, prompts, order, params, options, vocab, res):
         logits = torch.cat(pieces) if runner.last else None
 
     with record_function("generate/decode_loop"):
-        _decode_loop(runner, sampler, res, logits, tokens, rows, first_col, width, r, options)
+        if pipelined:
+            decode_pipelined(runner, sampler, res, logits, rows, first_col, width, r, options)
+        else:
+            _decode_loop(runner, sampler, res, logits, tokens, rows, first_col, width, r, options)
+    return runner
 
 
 def _decode_loop(runner, sampler, res, logits, tokens, rows, row_first_col, width, r, options):

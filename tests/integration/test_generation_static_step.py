@@ -2,7 +2,7 @@
 ``GPTModel.forward`` with megatron's own ``SelfAttention`` (un-rotated cache, re-rotated every step) and against our
 cached-RoPE attention, for Llama- and Qwen2-style (qkv bias, tied) and GELU-MHA models, greedy and sampled, rows
 finishing at different steps; with megatron's local core attention in place of ours (the step does not use the
-spec's core attention, as with Transformer Engine's); at TP2 / TP2+SP / PP2. The static step attends over the whole
+spec's core attention, as with Transformer Engine's); at TP2 / TP2+SP / PP2 (micro-batches through the stages). The static step attends over the whole
 static cache (masked columns weigh exactly 0), so log-probs agree to fp32 rounding, not bit for bit.
 
 It reads nothing back to the host inside the decode step, at most once per ``alive_check_interval`` steps in the
@@ -297,7 +297,12 @@ def _job_layouts(rank, world, layout):
     from megatron_ppo.models.gpt import build_gpt_model
 
     tp, pp, sp = {"tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False)}[layout]
+    from megatron_ppo.rollout import static_loop
+
     parallel.initialize(tp=tp, pp=pp, seed=7)
+    pipelined = []
+    real_pipelined = static_loop.decode_pipelined
+    static_loop.decode_pipelined = lambda *a: pipelined.append(1) or real_pipelined(*a)
     try:
         model = _random_biases(build_gpt_model(tiny_arch(vocab_size=VOCAB, add_qkv_bias=True), "actor",
                                                sequence_parallel=sp))
@@ -312,14 +317,18 @@ def _job_layouts(rank, world, layout):
         packed = generate(model, _prompts(), stop, DecodeOptions(alive_check_interval=1))
         with megatron_self_attention(model):
             packed_ref = generate(model, _prompts(), stop, DecodeOptions(static_step=False))
+        every_token_ends = dataclasses.replace(stop, eos_token_ids=tuple(range(VOCAB)))  # all rows end at step 0
+        ended = generate(model, _prompts(), every_token_ends, DecodeOptions(alive_check_interval=1, max_num_seqs=3))
     finally:
+        static_loop.decode_pipelined = real_pipelined
         parallel.destroy(destroy_process_group=False)
 
     def close(a, b):
         return torch.equal(a.responses, b.responses) and float((a.log_probs - b.log_probs).abs().max()) < 1e-5
 
     return {"close": close(static, megatron), "packed_close": close(packed, packed_ref), "step_reads": step_reads,
-            "stopped": bool(packed.finished.any()), "tokens": static.responses, "packed": packed.responses}
+            "stopped": bool(packed.finished.any()), "tokens": static.responses, "packed": packed.responses,
+            "pipelined": len(pipelined), "ended": ended.response_lengths.tolist()}
 
 
 @pytest.mark.slow  # two ranks
@@ -330,3 +339,6 @@ def test_static_loop_equals_megatron_on_two_ranks(dist_pool2, layout):
     assert r0["step_reads"] == 0 and r1["step_reads"] == 0, (r0["step_reads"], r1["step_reads"])
     assert r0["packed_close"] and r1["packed_close"] and r0["stopped"]  # oneDNN GEMMs, TP collectives, rows leaving
     assert torch.equal(r0["tokens"], r1["tokens"]) and torch.equal(r0["packed"], r1["packed"])
+    assert r0["ended"] == r1["ended"] == [1] * 5  # the stop reaches every stage (PP: the broadcast count)
+    # PP2: the rows flow through the stages as micro-batches (4 static rollouts, one more in two 3-row turns)
+    assert r0["pipelined"] == r1["pipelined"] == (6 if layout == "pp2" else 0), (r0["pipelined"], r1["pipelined"])
