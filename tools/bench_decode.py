@@ -26,17 +26,15 @@ one run of ``--profile-steps`` + 1 tokens) per decode step (an ``item`` that cal
 read; the static loop's lagged alive count reads a pinned host copy: counted, it is its one read), and ``x_floor`` =
 ms_per_step / the bandwidth floor: bf16 parameter bytes / the GPU's memory bandwidth (``--bandwidth-gbs``, default
 by device name: H200 4800, H100 SXM 3350, H100 NVL 3900, H100 PCIe 2000 GB/s); the KV cache's reads are left out of
-that floor (``floor_with_kv_ms`` adds the static cache's full read per step). The eager path is slow (about 50 ms a
-step at 64 rows measured): it runs at most ``--eager-max-steps`` new tokens (64) and says so; its
+that floor (``floor_with_kv_ms`` adds the static cache's full read per step). The eager path is host-bound (its step
+time: docs/bench/gpu.md): it runs at most ``--eager-max-steps`` new tokens (64) and says so; its
 ``tokens_per_s_full_est`` extrapolates prefill + (N - 1) steps at its measured step time.
 
 Order: one small warm-up run per system; then per case: each system's profiled run, then ``--reps`` rounds of
 (prefill run, full run) over the systems. A system whose run raises is recorded with its error and left out after
 (a failed profiled run only loses its host-read count). ``--deadline-s`` skips what would start after that many
 seconds; the JSON is rewritten after every case. Exit 1 when a system failed, ran out of time or a row did not make
-its N tokens.
-Expected on an H100, from the step times above (not yet run on a GPU): ~15 s of imports and model build, ~35 s of
-runs. Results: docs/bench/gpu.md (stage decode).
+its N tokens. Results: docs/bench/gpu.md (stage decode), where its expected time on an H100 is given too.
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ torch's GEMMs). ``compile_decode`` (``rollout.megatron.use_torch_compile``) comp
 (``fullgraph=True``), or on this path the one-token forwards (``torch.compile(dynamic=True)``).
 
 Parallelism: TP>1 (logits gathered over TP), PP>1 (hidden states passed stage to stage with send/recv; the last
-stage samples), sequence parallelism switched off during generation and restored after. Only the last stage's
+stage samples; the static loop sends micro-batches round the stages, ``rollout.pipeline_decode``), sequence parallelism switched off during generation and restored after. Only the last stage's
 first TP rank samples; its tokens and log-probs are broadcast (one collective per step) to the whole model-parallel
 group, so all ranks return the same result. Deterministic under ``SamplingParams.seed``.
 """
@@ -303,9 +303,11 @@ def generate(model, prompts: list[torch.Tensor], params: SamplingParams, options
             raise ValueError(f"generate: prompt {i} must be a non-empty 1-D token tensor, got shape {tuple(p.shape)}")
     core = unwrap_model(model)
     vocab = core.arch.vocab_size if hasattr(core, "arch") else core.vocab_size
-    for i, p in enumerate(prompts):
-        if int(p.max()) >= vocab or int(p.min()) < 0:
-            raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab})")
+    every = torch.cat(prompts)
+    if bool(((every < 0) | (every >= vocab)).any()):  # one host read for the whole batch; the loop below on error only
+        for i, p in enumerate(prompts):
+            if int(p.max()) >= vocab or int(p.min()) < 0:
+                raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab})")
     was_training = core.training
     core.eval()
     try:

@@ -193,6 +193,10 @@ def test_a_model_the_static_step_does_not_cover_falls_back_by_name(megatron_sing
     assert not used
     want = generate(model, _prompts(), params, DecodeOptions(static_step=False))
     assert torch.equal(got.responses, want.responses) and torch.equal(got.log_probs, want.log_probs)
+    bad = _prompts()
+    bad[3] = torch.tensor([1, VOCAB])
+    with pytest.raises(ValueError, match=r"prompt 3 has token ids outside \[0, 500\)"):
+        generate(model, bad, params)
 
 
 def _host_reads(prof, inside: str) -> int:
