@@ -12,14 +12,14 @@ PYTEST_ARGS ?=
 MCORE_NEXT     ?= 0.19.2
 TRITON_NEXT    ?= 3.9.0
 MCORE_NEXT_DIR := .mcore-$(MCORE_NEXT)
-# The fast model, worker and conversion tests run against it (`make test-mcore-next`, CI's second stage).
+# The fast model, worker, conversion and static-decode-step tests run against it (`make test-mcore-next`, CI's second stage).
 # test_mcore_compat first: with MPPO_EXPECT_MCORE set, its collection fails at once if the overlay does not apply.
 MCORE_NEXT_TESTS ?= tests/unit/test_mcore_compat.py $(wildcard tests/unit/test_models_*.py) \
 	tests/integration/test_models_single.py tests/integration/test_models_parallel.py \
 	tests/integration/test_models_checkpoint.py tests/integration/test_models_checkpoint_refusals.py \
 	tests/integration/test_mcore_versions.py $(wildcard tests/integration/test_worker_*.py) \
 	tests/integration/test_convert_tiny.py tests/integration/test_convert_run_checkpoint.py \
-	tests/integration/test_workers_hf_weights.py
+	tests/integration/test_workers_hf_weights.py tests/integration/test_generation_static_step.py
 MCORE_NEXT_ENV = NO_VCS_VERSION=1 MPPO_EXPECT_MCORE=$(MCORE_NEXT) \
 	PYTHONPATH=$(CURDIR)/$(MCORE_NEXT_DIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 

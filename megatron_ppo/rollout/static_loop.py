@@ -1,6 +1,6 @@
 """The Megatron engine's static decode loop: ragged prefill, then one-token steps over a preallocated cache with
-batch buckets, a lagged alive count and (on a GPU) one CUDA graph per bucket. docs/rollout.md, "The static decode
-step", says why each piece is there.
+batch buckets, a lagged alive count and (on a GPU) one CUDA graph per bucket. docs/rollout.md, "The Megatron
+engine's static decode step", says why each piece is there.
 
 * **Prefill**: rows sorted by prompt length, prefilled in groups of similar lengths (``prefill_groups``), each group
   split so that a forward holds at most ``prefill_token_budget`` tokens; each forward computes only its rows' prompt
@@ -14,10 +14,10 @@ step", says why each piece is there.
 * **Host reads**: the unfinished count is the only thing the host reads while decoding: copied without blocking
   after every ``alive_check_interval``-th step and read one step later (``AliveCount``), so the device is never
   drained to answer it. It decides compaction and the early stop (all rows done).
+* **Turns and stages**: at most ``max_num_seqs`` rows are decoded at once (longer rollouts in turns); with pipeline
+  parallelism the rows go round the stages as micro-batches (``rollout.pipeline_decode``).
 """
 from __future__ import annotations
-
-import logging
 
 import torch
 from torch.profiler import record_function
@@ -27,7 +27,6 @@ from megatron_ppo.ops.cpu_matmul import onednn_matmul
 from megatron_ppo.rollout.decode_step import StaticKVCache, StaticStep
 from megatron_ppo.rollout.pipeline_decode import StepSampler, decode_pipelined, share_results
 
-logger = logging.getLogger(__name__)
 CUDA_GRAPHS = ("auto", "true", "false")
 
 
