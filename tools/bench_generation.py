@@ -81,7 +81,8 @@ def old_generation_module(rev: str):
     """The generation module as of git revision ``rev`` (the rollout package's generation.py; before issue 24 it
     lived in the models package), imported under another name, with that revision's decode_step beside it."""
     def show(path):
-        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:megatron_ppo/{path}"], capture_output=True,
+        package = "megatron_ppo"
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{package}/{path}"], capture_output=True,
                                text=True)
         return shown.stdout if shown.returncode == 0 else None
 
