@@ -152,10 +152,6 @@ class StaticKVCache:
                 torch.zeros(batch, att.num_query_groups_per_partition, max_len, dim, dtype=dtype, device=device)
                 for dim in (att.key_hidden_size, att.val_hidden_size))
 
-    @property
-    def batch(self) -> int:
-        return next(iter(self.mem.values()))[0].size(0) if self.mem else 0
-
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Only rows ``keep`` (device indices into the current batch; their count is the new batch) stay."""
         for n, (k, v) in self.mem.items():
