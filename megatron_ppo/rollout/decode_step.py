@@ -268,15 +268,14 @@ class StaticStep:
 def _embed(embedding, ids):
     """megatron's ``LanguageModelEmbedding`` forward at inference (no position or token-type embeddings, no SP,
     dropout off): [B, s] ids -> [s, B, H]. With TP > 1 megatron's ``VocabParallelEmbedding`` zeroes the other ranks'
-    ids and rows by boolean-mask assignment (``x[mask] = 0``: a ``nonzero``, i.e. a host read, every step); here the
-    same zeros come from ``masked_fill``."""
+    ids and rows by boolean-mask assignment (``x[mask] = 0``: a ``nonzero``, i.e. a host read, every step); there
+    the same zeros come from ``masked_fill`` (and the module itself is not called)."""
     from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
     words = embedding.word_embeddings
-    if type(words) is not VocabParallelEmbedding or getattr(words, "reduce_scatter_embeddings", False):
+    if (type(words) is not VocabParallelEmbedding or getattr(words, "reduce_scatter_embeddings", False)
+            or words.tp_group.size() == 1):  # (TP1: megatron's module reads nothing back)
         return embedding(input_ids=ids, position_ids=None)
-    if words.tp_group.size() == 1:
-        return F.embedding(ids, words.weight).transpose(0, 1).contiguous()
     outside = (ids < words.vocab_start_index) | (ids >= words.vocab_end_index)
     local = (ids - words.vocab_start_index).masked_fill(outside, 0)
     out = F.embedding(local, words.weight).masked_fill(outside.unsqueeze(-1), 0.0)

@@ -6,7 +6,8 @@ from megatron_ppo.models.unwrap import unwrap_model
 
 def record_forward_shapes(model):
     """(shapes, handle): the [B, s] token-id shape of every forward of this first-stage model, recorded by a real
-    forward pre-hook on its embedding, which both ``GPTModel.forward`` and ``rollout.decode_step`` call."""
+    forward pre-hook on its embedding, which both ``GPTModel.forward`` and ``rollout.decode_step`` call (the static
+    step at TP1; at TP > 1 it computes the vocab-parallel lookup itself, unrecorded)."""
     shapes = []
 
     def hook(module, args, kwargs):
