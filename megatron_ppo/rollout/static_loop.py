@@ -19,6 +19,8 @@ engine's static decode step", says why each piece is there.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.profiler import record_function
 
@@ -27,7 +29,9 @@ from megatron_ppo.ops.cpu_matmul import onednn_matmul
 from megatron_ppo.rollout.decode_step import StaticKVCache, StaticStep
 from megatron_ppo.rollout.pipeline_decode import StepSampler, decode_pipelined, share_results
 
+logger = logging.getLogger(__name__)
 CUDA_GRAPHS = ("auto", "true", "false")
+_CAPTURE_FAILED = None  # why a capture failed in this process (cuda_graphs=auto then decodes eagerly)
 
 
 def batch_buckets(batch: int, sizes=()) -> list[int]:
@@ -93,12 +97,15 @@ class DecodeGraphs:
     for its prompt width) and reads the weights where they are, so an update between rollouts, in place or not,
     can never leave a graph on stale tensors."""
 
-    def __init__(self, step):
-        self.step = step
+    def __init__(self, step, strict: bool):
+        self.step, self.strict = step, strict
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def __call__(self, x, pos, first_col, cache, rows=slice(None)):
+        global _CAPTURE_FAILED
+        if _CAPTURE_FAILED is not None:
+            return self.step.decode(x, pos, first_col, cache, rows)
         key = (first_col.size(0), rows.start)  # a bucket, or a pipeline micro-batch's cache rows
         if key not in self.graphs:
             if rows == slice(None):
@@ -110,8 +117,17 @@ class DecodeGraphs:
                 out = self.step.decode(static["x"], pos, static["first_col"], cache, rows)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):  # records; the cache writes are the warm-up's again
-                static["out"] = self.step.decode(static["x"], pos, static["first_col"], cache, rows)
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):  # records; the cache writes are the warm-up's again
+                    static["out"] = self.step.decode(static["x"], pos, static["first_col"], cache, rows)
+            except RuntimeError as exc:  # cuda_graphs=auto: decode eagerly, said once; true: the error
+                if self.strict:
+                    raise
+                _CAPTURE_FAILED = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                logger.warning("generation: capturing the decode step as a CUDA graph failed (%s): this process "
+                               "decodes eagerly (rollout.megatron.cuda_graphs=auto; =true raises instead)",
+                               _CAPTURE_FAILED)
+                return out
             self.graphs[key] = (graph, static)
             return out
         graph, static = self.graphs[key]
@@ -151,7 +167,7 @@ class StaticRunner:
         self.onednn = options.onednn_prefill and self.device.type == "cpu"
         self.decode_fn = self.step.decode
         if use_cuda_graphs(options.cuda_graphs, self.device):
-            self.decode_fn = DecodeGraphs(self.step)
+            self.decode_fn = DecodeGraphs(self.step, strict=options.cuda_graphs == "true")
         elif options.compile_decode:
             self.decode_fn = compile_decode(self.step)
 
