@@ -353,6 +353,16 @@ class _Results:
     def is_eos(self, tokens):
         return torch.isin(tokens, self.eos) if self.eos.numel() else torch.zeros_like(tokens, dtype=torch.bool)
 
+    def record(self, rows, step: int, tokens, log_probs, alive):
+        """Write step ``step``'s samples of the original rows ``rows`` where ``alive`` (torch.where, no boolean
+        indexing: it would sync the host); returns the rows that ended at eos."""
+        self.responses[rows, step] = torch.where(alive, tokens, self.responses[rows, step])
+        self.log_probs[rows, step] = torch.where(alive, log_probs, self.log_probs[rows, step])
+        self.lengths[rows] = torch.where(alive, step + 1, self.lengths[rows])
+        hit = alive & self.is_eos(tokens)
+        self.finished[rows] = self.finished[rows] | hit
+        return hit
+
     def output(self):
         return GenerationOutput(responses=self.responses, response_lengths=self.lengths, log_probs=self.log_probs,
                                 finished=self.finished)
@@ -424,12 +434,7 @@ def _generate_ragged(model, prompts, params, options, vocab, use_kv_cache):
         with record_function("generate/sample"):
             nxt, lp = sampler(logits, rows)
         tokens[rows, cur] = torch.where(alive, nxt, 0)
-        res.responses[rows, step] = torch.where(alive, nxt, res.responses[rows, step])  # (no boolean indexing:
-        res.log_probs[rows, step] = torch.where(alive, lp, res.log_probs[rows, step])  # it would sync the host)
-        res.lengths[rows] = torch.where(alive, step + 1, res.lengths[rows])
-        hit = alive & res.is_eos(nxt)
-        res.finished[rows] = res.finished[rows] | hit
-        alive &= ~hit
+        alive &= ~res.record(rows, step, nxt, lp, alive)
         if step + 1 == r:
             break
         n_alive = int(alive.sum())  # the one host sync per step

@@ -71,12 +71,7 @@ def decode_pipelined(runner, sampler: StepSampler, res, logits, rows, first_col,
         live = alive[i:j]
         with record_function("generate/sample"):
             nxt, lp = sampler(out, rows[i:j])
-        ids, idx = rows[i:j], step
-        res.responses[ids, idx] = torch.where(live, nxt, res.responses[ids, idx])
-        res.log_probs[ids, idx] = torch.where(live, lp, res.log_probs[ids, idx])
-        res.lengths[ids] = torch.where(live, step + 1, res.lengths[ids])
-        hit = live & res.is_eos(nxt)
-        res.finished[ids] = res.finished[ids] | hit
+        hit = res.record(rows[i:j], step, nxt, lp, live)
         token = torch.where(live, nxt, 0).view(-1, 1)
         alive[i:j] = live & ~hit
         if step + 1 < r:

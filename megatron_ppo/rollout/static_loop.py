@@ -273,12 +273,7 @@ def _decode_loop(runner, sampler, res, logits, tokens, rows, row_first_col, widt
         with record_function("generate/sample"):
             nxt, lp = sampler(logits, rows)
         tokens[slot, cur] = torch.where(alive, nxt, 0)
-        res.responses[rows, step] = torch.where(alive, nxt, res.responses[rows, step])  # (no boolean indexing:
-        res.log_probs[rows, step] = torch.where(alive, lp, res.log_probs[rows, step])  # it would sync the host)
-        res.lengths[rows] = torch.where(alive, step + 1, res.lengths[rows])
-        hit = alive & res.is_eos(nxt)
-        res.finished[rows] = res.finished[rows] | hit
-        alive &= ~hit
+        alive &= ~res.record(rows, step, nxt, lp, alive)
         if step + 1 == r:
             break
         n_alive = count.poll(alive, step)
