@@ -6,14 +6,19 @@ Two kinds of check:
   when the result is read. A mask found to be 0/1 is remembered (by identity and version counter) and not
   re-read by later calls in the same step; ``finite_via`` checks finiteness through a sum the math already made. They are on by default; set ``MEGATRON_PPO_ALGO_VALUE_CHECKS=0`` (or call
   ``set_value_checks(False)``) to turn them off in a run that has already been validated.
+  Inside ``deferred()`` (a worker's forward / backward over its micro-batches) a value check leaves its verdict on
+  the device and all verdicts are read at once when the block ends: one host read per call instead of one per
+  check per micro-batch. A failure raises the same error, at the block's end, before anything is applied.
 
 Every failure is a ``ValueError`` whose message starts with the argument's name.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -31,6 +36,38 @@ def set_value_checks(enabled: bool) -> bool:
 
 def value_checks_enabled() -> bool:
     return _VALUE_CHECKS
+
+
+_PENDING = threading.local()  # .checks: [(bad flag: 0-dim bool device tensor, raise_error: callable)] or absent
+
+
+@contextlib.contextmanager
+def deferred():
+    """Queue the value checks made inside and read their verdicts once, at exit (see the module docstring).
+    Nested blocks join the outermost. An exception inside skips the reading (it is already failing)."""
+    outer = getattr(_PENDING, "checks", None)
+    if outer is not None:
+        yield
+        return
+    _PENDING.checks = pending = []
+    try:
+        yield
+    finally:
+        _PENDING.checks = None
+    if pending:
+        verdicts = torch.stack([flag.reshape(()).to(torch.bool) for flag, _ in pending]).tolist()  # one host read
+        for bad, (_, raise_error) in zip(verdicts, pending):
+            if bad:
+                raise_error()
+
+
+def _verdict(bad: torch.Tensor, raise_error) -> None:
+    """Raise now if ``bad`` (a 0-dim bool tensor) holds, or queue it inside ``deferred()``."""
+    pending = getattr(_PENDING, "checks", None)
+    if pending is not None:
+        pending.append((bad, raise_error))
+    elif bool(bad):
+        raise_error()
 
 
 def float_tensor(x, name: str, ndim: int | None = None, min_ndim: int | None = None) -> torch.Tensor:
@@ -72,9 +109,8 @@ def mask(m, name: str, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
     if _VALUE_CHECKS and not _seen_01(m):
         # one compare against the bool mask (promoted on the fly): 0 -> False, 1 -> True, anything else (NaN too)
         # differs. Three passes in all with ``valid``, which the caller needs anyway (it used to be five).
-        if bool((m != valid).any()):
-            raise_not_01(m, name)
-        _remember_01(m)
+        _verdict((m != valid).any(), lambda: raise_not_01(m, name))
+        _remember_01(m)  # (deferred: a wrong mask fails at the block's end all the same)
     return valid
 
 
@@ -102,20 +138,31 @@ def finite(x: torch.Tensor, name: str, valid: torch.Tensor | None = None) -> Non
     # two passes (three with a mask) and no overflow possible. torch.isfinite is four passes (abs, ne, eq, mul);
     # it only runs on the error path, for the count in the message.
     zeros = x * 0 if valid is None else torch.where(valid, x, 0).mul_(0)
-    if bool(torch.isnan(zeros.sum())):
-        bad = ~torch.isfinite(x)
-        if valid is not None:
-            bad &= valid
-        where = "at valid (mask=1) positions" if valid is not None else ""
-        raise ValueError(f"{name} has {int(bad.sum())} NaN/inf values {where}".rstrip())
+    _verdict(torch.isnan(zeros.sum()), lambda: _raise_nonfinite(x, name, valid))
+
+
+def _raise_nonfinite(x: torch.Tensor, name: str, valid: torch.Tensor | None) -> None:
+    bad = ~torch.isfinite(x)
+    if valid is not None:
+        bad &= valid
+    where = "at valid (mask=1) positions" if valid is not None else ""
+    raise ValueError(f"{name} has {int(bad.sum())} NaN/inf values {where}".rstrip())
 
 
 def finite_via(result: torch.Tensor, x: torch.Tensor, name: str, valid: torch.Tensor | None = None) -> None:
     """``finite(x, name, valid)`` for free when ``result`` sums every checked element of ``x``: a finite sum proves
     them all finite (NaN and inf propagate through sums), so the exact check runs only when ``result`` is not
     finite (bad input, or an overflowing sum: then the exact check passes and the inf result stands)."""
-    if _VALUE_CHECKS and not bool(torch.isfinite(result.detach()).all()):
-        finite(x, name, valid)
+    if not _VALUE_CHECKS:
+        return
+    x = x.detach()
+
+    def exact_check():  # the sum overflowed or the input is bad: the exact check decides (error path only)
+        zeros = x * 0 if valid is None else torch.where(valid, x, 0).mul_(0)
+        if bool(torch.isnan(zeros.sum())):
+            _raise_nonfinite(x, name, valid)
+
+    _verdict(~torch.isfinite(result.detach()).all(), exact_check)
 
 
 def nonnegative(x: torch.Tensor, name: str, valid: torch.Tensor | None = None) -> None:
@@ -124,8 +171,19 @@ def nonnegative(x: torch.Tensor, name: str, valid: torch.Tensor | None = None) -
     bad = x.detach() < 0
     if valid is not None:
         bad &= valid
-    if bool(bad.any()):
-        raise ValueError(f"{name} has {int(bad.sum())} negative values")
+    _verdict(bad.any(), lambda: _raise(f"{name} has {int(bad.sum())} negative values"))
+
+
+def index_range(x: torch.Tensor, name: str, low: int, high: int) -> None:
+    """Every element of the integer tensor ``x`` lies in [low, high) (always checked: an index out of range is not
+    a value a run may skip checking)."""
+    if x.numel():
+        _verdict((x.min() < low) | (x.max() >= high), lambda: _raise(
+            f"{name} must lie in [{low}, {high}), got [{int(x.min())}, {int(x.max())}]"))
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
 
 
 def real_number(value, name: str, *, low: float | None = None, high: float | None = None,

@@ -88,7 +88,8 @@ def packed_num_tokens(lengths: Sequence[int], align: int = 1) -> int:
 
 
 def pack_rows(batch: RolloutBatch, rows: list[int], keys: tuple[str, ...] = (), align: int = 1) -> dict:
-    """One packed micro-batch of ``rows``: input_ids [1, T], cu_seqlens, resp_pos [b, R], logit_positions [N] and
+    """One packed micro-batch of ``rows``: input_ids [1, T], cu_seqlens (and ``seq_bounds``, the same as host ints:
+    the device never reads them back), resp_pos [b, R], logit_positions [N] and
     logit_index [b, R] (``response_positions``), plus ``keys`` from
     batch.tensors (indexed by rows), the response mask (which tokens exist) and the loss mask (which of them the
     losses count: the response mask minus tokens rejected by rollout correction). ``align``: pad each sequence
@@ -108,7 +109,8 @@ def pack_rows(batch: RolloutBatch, rows: list[int], keys: tuple[str, ...] = (), 
     ])
     index = torch.as_tensor(rows, dtype=torch.long)
     logit_positions, logit_index = response_positions(resp_pos)
-    micro = {"input_ids": input_ids, "cu_seqlens": cu_seqlens, "resp_pos": resp_pos,
+    micro = {"input_ids": input_ids, "cu_seqlens": cu_seqlens, "seq_bounds": tuple(cu_seqlens.tolist()),
+             "resp_pos": resp_pos,
              "logit_positions": logit_positions, "logit_index": logit_index,
              "response_mask": batch.response_mask[index], "loss_mask": batch.loss_mask[index]}
     for key in keys:

@@ -27,33 +27,54 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
-VARLEN_KWARGS = ("scale", "window_size", "enable_gqa")  # what the 'varlen' THD path passes
-
-
 def varlen_usable(fn) -> bool:
-    """True when torch's ``varlen_attn`` takes the keywords we pass (torch 2.13 does; 2.9's has no ``scale``,
-    ``window_size`` or ``enable_gqa`` and would raise TypeError mid-forward)."""
+    """True when torch's ``varlen_attn`` can run causal attention: a ``window_size`` (torch >= 2.11's spelling) or
+    an ``is_causal`` keyword. ``scale`` and ``enable_gqa``, which older builds lack, are made up for
+    (``varlen_arguments``)."""
+    params = _parameters(fn)
+    return params is not None and ("window_size" in params or "is_causal" in params)
+
+
+def _parameters(fn):
     import inspect
 
     if fn is None:
-        return False
+        return None
     try:
-        params = inspect.signature(fn).parameters
+        return inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return False
-    return all(name in params for name in VARLEN_KWARGS)
+        return None
 
 
-try:  # torch >= 2.9: flash-attention varlen kernel (CUDA only)
+def varlen_arguments(params, q, k, v, scale: float):
+    """(q, k, v, keyword arguments) for a causal ``varlen_attn`` call with this signature's keywords: without
+    ``scale``, q is pre-scaled (the kernel's own scale is 1/sqrt(head_dim)); without ``enable_gqa``, K/V heads are
+    repeated to the query heads."""
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    else:
+        q = q * (scale * math.sqrt(q.shape[-1]))
+    if q.shape[-2] != k.shape[-2]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            repeat = q.shape[-2] // k.shape[-2]
+            k, v = k.repeat_interleave(repeat, dim=-2), v.repeat_interleave(repeat, dim=-2)
+    return q, k, v, kwargs
+
+
+try:  # torch >= 2.10: flash-attention varlen kernel (CUDA only)
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # pragma: no cover - depends on the torch build
     _varlen_attn = None
 if _varlen_attn is not None and not varlen_usable(_varlen_attn):  # pragma: no cover - older torch
-    logging.getLogger(__name__).info("torch %s's varlen_attn lacks %s: packed THD attention uses per-sequence "
-                                     "SDPA", torch.__version__, "/".join(VARLEN_KWARGS))
+    logging.getLogger(__name__).info("torch %s's varlen_attn has no causal mode: packed THD attention on a GPU is "
+                                     "padded SDPA", torch.__version__)
     _varlen_attn = None
+_VARLEN_PARAMS = _parameters(_varlen_attn)
 
-THD_STRATEGIES = ("auto", "varlen", "per_sequence", "block_mask")
+THD_STRATEGIES = ("auto", "varlen", "padded", "per_sequence", "block_mask")
 
 
 def causal_keep_mask(sq: int, sk: int, device) -> torch.Tensor:
@@ -94,8 +115,12 @@ class SDPACoreAttention(MegatronModule):
 
     With ``packed_seq_params`` (qkv_format 'thd') q/k/v are [t, np|ng, hn] and the output is [t, np*hn].
     THD strategy (env ``MEGATRON_PPO_THD_ATTENTION`` or attribute ``thd_strategy``): 'varlen' (torch's flash
-    varlen kernel: CUDA, fp16/bf16), 'per_sequence' (one causal SDPA call per sequence: O(sum s_i^2) memory),
-    'block_mask' (one call with a block-diagonal mask: O(t^2)); 'auto' = varlen where it runs, else per_sequence.
+    varlen kernel: CUDA, fp16/bf16, no dropout), 'padded' (the sequences scattered into [n, max_s] rows, one causal
+    SDPA call: flash / memory-efficient on a GPU), 'per_sequence' (one causal SDPA call per sequence),
+    'block_mask' (one call with a block-diagonal mask: O(t^2)). 'auto': varlen where it runs, else padded on a GPU
+    (never a loop over sequences there); per_sequence on the CPU (docs/bench/models.md measures the choice).
+    With ``models.forward.PackedSequences`` (what ``model_forward`` builds for the local spec) nothing is read
+    back from the device: the boundaries come as host ints, checked once per micro-batch where they were built.
     """
 
     def __init__(
@@ -147,12 +172,14 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPACoreAttention: the varlen THD kernel has no attention dropout")
         if self.thd_strategy == "varlen" and _varlen_attn is None:
             raise ValueError(f"SDPACoreAttention: MEGATRON_PPO_THD_ATTENTION=varlen but torch {torch.__version__} has "
-                             f"no usable varlen_attn (it needs torch.nn.attention.varlen with {VARLEN_KWARGS})")
+                             "no usable varlen_attn (torch.nn.attention.varlen with a causal mode)")
         if self.thd_strategy != "auto":
             return self.thd_strategy
-        if _varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and p == 0:
+        if not q.is_cuda:
+            return "per_sequence"
+        if _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16) and p == 0:
             return "varlen"
-        return "per_sequence"
+        return "padded"
 
     # -- forward --------------------------------------------------------------------------------------------
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -188,40 +215,70 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     def _forward_thd(self, query, key, value, psp, p):
+        from megatron_ppo.models.forward import PackedSequences
+
         t = query.shape[0]
-        cu_q = psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else psp.cu_seqlens_q
-        cu_k = psp.cu_seqlens_kv_padded if psp.cu_seqlens_kv_padded is not None else psp.cu_seqlens_kv
-        if cu_q is None:
-            raise ValueError("SDPACoreAttention: THD input needs packed_seq_params.cu_seqlens_q")
-        if cu_k is not None and not torch.equal(cu_q, cu_k):
-            raise ValueError("SDPACoreAttention: THD self-attention needs cu_seqlens_q == cu_seqlens_kv")
-        if int(cu_q[-1]) != t:
-            raise ValueError(f"SDPACoreAttention: cu_seqlens ends at {int(cu_q[-1])} but the packed input has "
-                             f"{t} tokens")
+        if isinstance(psp, PackedSequences):  # checked where it was built (models/forward.py): no read here
+            cu, bounds, pad_index = psp.cu_seqlens, psp.bounds, psp.pad_index
+        else:  # megatron's PackedSeqParams from another caller: checked here, reading cu_seqlens back
+            cu, bounds, pad_index = self._check_megatron_params(psp, t), None, None
+        if bounds is None:
+            bounds = tuple(cu.tolist())
+        if bounds[-1] != t:
+            raise ValueError(f"SDPACoreAttention: cu_seqlens ends at {bounds[-1]} but the packed input has {t} "
+                             "tokens")
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        max_s = max(lengths)
         strategy = self._pick_thd_strategy(query, p)
         if strategy == "varlen":
-            max_s = psp.max_seqlen_q or int((cu_q[1:] - cu_q[:-1]).max())
-            out = _varlen_attn(query, key, value, cu_q.to(torch.int32), cu_q.to(torch.int32), max_s, max_s,
-                               scale=self.softmax_scale, window_size=(-1, 0),
-                               enable_gqa=self.num_heads != self.num_groups)
+            q, k, v, kwargs = varlen_arguments(_VARLEN_PARAMS, query, key, value, self.softmax_scale)
+            cu32 = cu.to(torch.int32)
+            out = _varlen_attn(q, k, v, cu32, cu32, max_s, max_s, **kwargs)
+            return out.reshape(t, self.hidden_size_per_partition)
+        if strategy == "padded":
+            if pad_index is None:
+                from megatron_ppo.models.forward import packed_sequences
+
+                pad_index = packed_sequences(cu, bounds).pad_index
+            out = self._padded(query, key, value, pad_index, len(lengths), max_s, p)
             return out.reshape(t, self.hidden_size_per_partition)
         q = query.permute(1, 0, 2).unsqueeze(0)  # [1, np, t, hn]
         k = key.permute(1, 0, 2).unsqueeze(0)
         v = value.permute(1, 0, 2).unsqueeze(0)
         if strategy == "block_mask":
-            keep = block_causal_keep_mask(cu_q, t)
+            keep = block_causal_keep_mask(cu, t)
             out = sdpa(q, k, v, keep=keep, scale=self.softmax_scale, dropout_p=p)
         elif strategy == "per_sequence":
-            bounds = cu_q.tolist()
-            pieces = []
-            for start, end in zip(bounds[:-1], bounds[1:]):
-                if end > start:
-                    pieces.append(sdpa(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], is_causal=True,
-                                       scale=self.softmax_scale, dropout_p=p))
+            # torch.split: one gradient buffer for all pieces (a slice's backward would zero-fill the whole packed
+            # tensor once per sequence)
+            pieces = [sdpa(qs, ks, vs, is_causal=True, scale=self.softmax_scale, dropout_p=p)
+                      for qs, ks, vs, n in zip(q.split(lengths, dim=2), k.split(lengths, dim=2),
+                                               v.split(lengths, dim=2), lengths) if n]
             out = torch.cat(pieces, dim=2)
         else:
             raise ValueError(f"SDPACoreAttention: unknown THD strategy {strategy!r}")
         return out.squeeze(0).permute(1, 0, 2).reshape(t, self.hidden_size_per_partition)
+
+    def _padded(self, query, key, value, pad_index, n: int, max_s: int, p):
+        """Packed [t, heads, d] -> rows [n, heads, max_s, d] (each sequence left-aligned, zeros after it), one causal
+        SDPA call, back to packed. Causal attention never lets a real query see the zeros after its sequence."""
+
+        def rows(x):
+            padded = x.new_zeros(n * max_s, x.shape[1], x.shape[2]).index_copy(0, pad_index, x)
+            return padded.view(n, max_s, x.shape[1], x.shape[2]).transpose(1, 2)
+
+        out = sdpa(rows(query), rows(key), rows(value), is_causal=True, scale=self.softmax_scale, dropout_p=p)
+        return out.transpose(1, 2).reshape(n * max_s, *query.shape[1:]).index_select(0, pad_index)
+
+    @staticmethod
+    def _check_megatron_params(psp, t: int) -> torch.Tensor:
+        cu_q = psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else psp.cu_seqlens_q
+        cu_k = psp.cu_seqlens_kv_padded if psp.cu_seqlens_kv_padded is not None else psp.cu_seqlens_kv
+        if cu_q is None:
+            raise ValueError("SDPACoreAttention: THD input needs packed_seq_params.cu_seqlens_q")
+        if cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k):
+            raise ValueError("SDPACoreAttention: THD self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        return cu_q
 
 
 class CachedRopeSelfAttention(SelfAttention):

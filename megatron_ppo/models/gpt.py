@@ -57,6 +57,24 @@ def _gpt_model_class():
             finally:
                 self._logit_positions = None
 
+        def _preprocess(self, *args, **kwargs):
+            """megatron's, then for ``PackedSequences`` (the local spec's packed micro-batches) the rotary table
+            gathered once per forward at each token's position in its sequence, [T, 1, dim]: every layer's
+            attention applies it elementwise (``PackedSequences`` leaves megatron's cu_seqlens unset, so no THD
+            RoPE runs, which would read cu_seqlens back and loop over the sequences in every layer)."""
+            from megatron_ppo.models.forward import PackedSequences
+
+            out = super()._preprocess(*args, **kwargs)
+            psp = kwargs.get("packed_seq_params")
+            if not isinstance(psp, PackedSequences) or out[1] is None:
+                return out
+            if self.position_embedding_type != "rope":
+                raise ValueError(f"packed micro-batches with position_embedding_type={self.position_embedding_type!r}"
+                                 " need megatron's PackedSeqParams (models.forward.packed_seq_params)")
+            table = out[1]  # [max_seqlen, 1, 1, dim]
+            per_token = table.index_select(0, psp.positions.to(table.device)).view(-1, 1, table.shape[-1])
+            return (out[0], per_token) + tuple(out[2:])
+
         def _postprocess(self, hidden_states, *args, **kwargs):
             if self._logit_positions is None or not self.post_process:
                 return super()._postprocess(hidden_states, *args, **kwargs)

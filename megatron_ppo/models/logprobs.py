@@ -20,6 +20,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_ppo.algo import checks
+
 DEFAULT_CHUNK = 4096
 
 
@@ -184,8 +186,7 @@ def vocab_parallel_logprobs_entropy(
     lead = logits.shape[:-1]
     flat_logits = logits.reshape(-1, v_local)
     flat_targets = targets.reshape(-1).long()
-    if flat_targets.numel() and (int(flat_targets.min()) < 0 or int(flat_targets.max()) >= vocab_size):
-        raise ValueError(f"targets must lie in [0, vocab_size={vocab_size})")
+    checks.index_range(flat_targets, "targets", 0, vocab_size)  # read once per call inside checks.deferred()
     logp, ent = _VocabParallelLogprobEntropy.apply(flat_logits, flat_targets, vocab_start, vocab_size,
                                                    float(temperature), int(chunk_size), group, world, use_ops)
     return logp.reshape(lead), ent.reshape(lead)
@@ -202,9 +203,7 @@ def next_token_targets(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None 
     if cu_seqlens is None:
         valid[..., -1] = False
     else:
-        ends = cu_seqlens[1:].long() - 1
-        ends = ends[ends >= 0]
-        flat = valid.view(-1)
-        flat[ends] = False
+        after = torch.arange(1, input_ids.shape[-1] + 1, device=input_ids.device)  # a position's successor
+        valid = ~torch.isin(after, cu_seqlens[1:].to(after.dtype)).view_as(input_ids)  # no boolean index: no read
     targets = torch.where(valid, targets, torch.zeros_like(targets))
     return targets, valid

@@ -11,6 +11,7 @@ import math
 import torch
 
 from megatron_ppo import parallel
+from megatron_ppo.algo import checks
 from megatron_ppo.models.gpt import build_gpt_model
 from megatron_ppo.models.schedule import forward_backward
 from megatron_ppo.models.training import OptimizerSettings, build_optimizer, wrap_ddp
@@ -59,7 +60,7 @@ class MegatronWorker:
         """output_fn(model_output, micro_batch) -> dict of tensors, per micro-batch (no gradients)."""
         self.module.eval()
         micro_batches = [to_device(mb, self.device) for mb in micro_batches]
-        with onednn_matmul(self.onednn):
+        with onednn_matmul(self.onednn), checks.deferred():
             outputs = forward_backward(self.module, micro_batches,
                                        lambda out, mb: (out.new_zeros(()), output_fn(out, mb)), forward_only=True)
         return to_host(outputs)
@@ -89,10 +90,11 @@ class MegatronWorker:
             losses.append(loss.detach().float())
             return loss, metrics
 
-        with onednn_matmul(self.onednn):
-            per_micro = [{key: float(value) for key, value in m.items()}
-                         for m in forward_backward(self.ddp, micro_batches, recording_loss_fn)]
-        loss = float(torch.stack(losses).sum()) if losses else 0.0  # losses live on the last pipeline stage
+        with onednn_matmul(self.onednn), checks.deferred():  # the value checks' verdicts: one read, at the end
+            raw = forward_backward(self.ddp, micro_batches, recording_loss_fn)
+        # every micro-batch's metrics and the loss in one host read (losses live on the last pipeline stage)
+        per_micro, totals = read_metrics(raw, [torch.stack(losses).sum()] if losses else [])
+        loss = totals[0] if losses else 0.0
         result = {"micro": per_micro, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
         if skip_step is not None and skip_step(per_micro):
             return self._skip(result, float("nan"), "kl_guard")
@@ -119,6 +121,17 @@ class MegatronWorker:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
         return lr
+
+
+def read_metrics(per_micro: list[dict], extra: list) -> tuple[list[dict], list[float]]:
+    """Per-micro-batch metric dicts (tensors or numbers) as floats, and ``extra`` values as floats, with one host
+    read for all the tensors (a ``float()`` per metric per micro-batch is a stream drain each on a GPU)."""
+    tensors = [v for m in per_micro for v in m.values() if isinstance(v, torch.Tensor)]
+    tensors += [v for v in extra if isinstance(v, torch.Tensor)]
+    values = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).tolist() if tensors else [])
+    floats = [{key: next(values) if isinstance(v, torch.Tensor) else float(v) for key, v in m.items()}
+              for m in per_micro]
+    return floats, [next(values) if isinstance(v, torch.Tensor) else float(v) for v in extra]
 
 
 def _lr_scheduler(optimizer, optim, total_steps: int):

@@ -306,6 +306,7 @@ def reduce_metrics(per_micro: list[dict], weights: list[float]) -> dict:
         vec = parallel.all_reduce(vec, parallel_state.get_pipeline_model_parallel_group())
     if parallel.dp_size() > 1:
         vec = parallel.all_reduce(vec, parallel.dp_group())
-    total = float(vec[-1])
-    return {key: float(vec[j]) if key in SHARE_METRICS else (float(vec[j]) / total if total > 0 else 0.0)
+    values = vec.tolist()  # one read
+    total = values[-1]
+    return {key: values[j] if key in SHARE_METRICS else (values[j] / total if total > 0 else 0.0)
             for j, key in enumerate(keys)}

@@ -72,7 +72,7 @@ def test_fully_masked_rows_give_no_nan_and_left_padding_equals_unpadded(megatron
         torch.testing.assert_close(logits[i, S - len(s):], alone, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("strategy", ["per_sequence", "block_mask"])
+@pytest.mark.parametrize("strategy", ["per_sequence", "padded", "block_mask"])
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_packed_thd_equals_padded(megatron_single, strategy, role):
     from megatron_ppo.models.forward import model_forward, pack_sequences
