@@ -470,6 +470,14 @@ def _cluster(cfg: PPOConfig, errs: _Errors) -> None:
     errs.check(c.num_gpus_per_rank is None or c.num_gpus_per_rank >= 0, "cluster.num_gpus_per_rank",
                f"must be >= 0 or null, got {c.num_gpus_per_rank}")
     errs.positive("cluster.collective_timeout_s", c.collective_timeout_s)
+    errs.positive("cluster.nccl_timeout_s", c.nccl_timeout_s)
+    timeouts = (c.nccl_timeout_s, c.collective_timeout_s)
+    if c.device != "cpu" and all(isinstance(t, (int, float)) and t > 0 for t in timeouts):  # cpu: NCCL never runs
+        errs.check(c.nccl_timeout_s >= c.collective_timeout_s, "cluster.nccl_timeout_s",
+                   f"{c.nccl_timeout_s:g} s is shorter than cluster.collective_timeout_s "
+                   f"({c.collective_timeout_s:g} s), but on GPUs every group times out after nccl_timeout_s "
+                   "(collective_timeout_s is gloo's) and NCCL's groups carry the run's longest waits, checkpoint "
+                   f"saves and loads: set cluster.nccl_timeout_s to at least {c.collective_timeout_s:g}")
     errs.check(0 <= c.release_heap_below_available < 1, "cluster.release_heap_below_available",
                f"must be a fraction in [0, 1) (0: never), got {c.release_heap_below_available}")
     from megatron_ppo import roles

@@ -449,8 +449,13 @@ class ClusterConfig:
         "over the bundles placed on it (at least 1; on a Ray cluster joined, its nodes' CPUs; launcher=local: all "
         "of this process's CPUs)", None)
     num_gpus_per_rank: Optional[float] = field(None, "GPUs in one rank's bundle; null: 1 on cuda, 0 on cpu", None)
-    collective_timeout_s: float = field(120.0, "torch.distributed timeout: the backstop for a rank that never joins "
-                                        "a collective (a dead rank is detected at once)", None)
+    collective_timeout_s: float = field(120.0, "fail-fast backstop: the gloo (CPU) groups' timeout, which ends a "
+                                        "collective whose live peer never joins it (a dead or raising rank is "
+                                        "detected at once); on GPUs the groups take nccl_timeout_s", None)
+    nccl_timeout_s: float = field(1800.0, "the NCCL groups' timeout (torch.distributed and Megatron's groups, their "
+                                  "gloo twins included, when the ranks run on GPUs): NCCL's watchdog aborts a rank "
+                                  "whose collective outlasts it, and a synchronous checkpoint save or load of tens "
+                                  "of GB per rank keeps its peers waiting that long; >= collective_timeout_s", None)
     release_heap_below_available: float = field(
         0.25, "launcher=ray: after each call a rank gives its free heap back to the OS (malloc_trim) when its host's "
         "available memory, or its cgroup limit's (Slurm --mem, a container) where tighter, is under this fraction of "

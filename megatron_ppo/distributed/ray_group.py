@@ -9,11 +9,16 @@ rank checks that parallel_state gives it the (tp, pp, dp) coordinates ``RankLayo
 
 Fail fast: every call is submitted to all ranks and awaited with ``ray.wait(num_returns=1)``. A dead peer breaks
 its gloo peers' collectives at once and Ray reports the death itself promptly; a live peer missing from a
-collective would block the others until the collective timeout (``collective_timeout_s``, passed to
-torch.distributed and Megatron's groups as the backstop). So on the first error the group waits ``grace_s`` for the
-other ranks' errors (to name the root cause: a death before the gloo errors it caused), kills every rank (a gloo
-group is unusable after any error), makes sure the processes and their children are gone, and raises
-``WorkerGroupError`` naming role, rank, (tp, pp, dp), node and pid, with the remote traceback.
+collective would block the others until the group timeout: ``collective_timeout_s`` on gloo (the backstop), the
+longer ``nccl_timeout_s`` on NCCL (parallel.group_timeout_s: a synchronous checkpoint save keeps NCCL peers
+waiting for minutes, and NCCL's watchdog aborts a rank at its timeout). So on the first error the group waits
+``grace_s`` for the other ranks' errors (to name the root cause: a death before the gloo errors it caused), kills
+every rank (a gloo group is unusable after any error), makes sure the processes and their children are gone, and
+raises ``WorkerGroupError`` naming role, rank, (tp, pp, dp), node and pid, with the remote traceback.
+
+Colocated GPUs: a rank whose GPU other processes share (``release_device_cache``: the driver decides it from the
+placement, trainer/groups.shares_gpu) gives its caching allocator's free blocks back after every call
+(``torch.cuda.empty_cache``), so the next role's call can use them; ``info()`` counts the releases and the bytes.
 
 Output: Ray prefixes an actor's stdout/stderr with the actor's repr, here ``actor[tp0 pp0 dp1]``.
 """
@@ -44,6 +49,9 @@ class RankActor:
         self.worker = None
         self.release_below = 0.0  # cluster.release_heap_below_available, set by setup
         self.heap_releases = 0
+        self.release_device_cache = False  # set by setup: other processes share this rank's GPU
+        self.cache_releases = 0
+        self.cache_released_bytes = 0
 
     def __repr__(self) -> str:  # Ray's prefix of this actor's log lines
         return f"{self.role}[{self.coords}]"
@@ -54,7 +62,8 @@ class RankActor:
         return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
                 "resources": ray.get_runtime_context().get_assigned_resources(),
                 "placement_group": ray.get_runtime_context().get_placement_group_id(),
-                "heap_releases": self.heap_releases}
+                "heap_releases": self.heap_releases, "cache_releases": self.cache_releases,
+                "cache_released_bytes": self.cache_released_bytes}
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -62,8 +71,9 @@ class RankActor:
             return s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int, layout: tuple[int, int, int], seed: int,
-              timeout_minutes: float, threads: int, worker_cls, worker_kwargs: dict,
-              release_heap_below_available: float = 0.0) -> dict:
+              collective_timeout_s: float, threads: int, worker_cls, worker_kwargs: dict,
+              release_heap_below_available: float = 0.0, nccl_timeout_s: float | None = None,
+              release_device_cache: bool = False) -> dict:
         import torch
 
         from megatron_ppo import console
@@ -75,14 +85,15 @@ class RankActor:
                           RANK=str(self.rank), LOCAL_RANK="0")  # Ray gives a GPU actor its own CUDA_VISIBLE_DEVICES
         from megatron_ppo import parallel
 
-        parallel.initialize(tp=tp, pp=pp, seed=seed, timeout_minutes=timeout_minutes)
+        parallel.initialize(tp=tp, pp=pp, seed=seed, timeout_s=collective_timeout_s, nccl_timeout_s=nccl_timeout_s)
         got = RankCoords(parallel.tp_rank(), parallel.pp_rank(), parallel.dp_rank())
         if got != self.coords:
             raise RuntimeError(f"{self!r} rank {self.rank}: megatron parallel_state placed this rank at ({got}), "
                                f"the layout expected ({self.coords})")
         self.worker = resolve_worker_class(worker_cls)(**worker_kwargs)
         self.release_below = release_heap_below_available
-        return {"threads": torch.get_num_threads()}
+        self.release_device_cache = release_device_cache
+        return {"threads": torch.get_num_threads(), "group_timeout_s": parallel.process_group_timeout_s()}
 
     def call(self, _mppo_method: str, _mppo_return: bool, *args, **kwargs) -> tuple[Any, float]:
         """The method's result (None where the driver does not keep it) and the seconds the method itself took:
@@ -91,7 +102,22 @@ class RankActor:
         result = getattr(self.worker, _mppo_method)(*args, **kwargs)
         result = to_host(result) if _mppo_return else None  # never a GPU tensor
         self._release_heap_if_host_short(_mppo_method)
+        self._release_device_cache(_mppo_method)
         return result, time.perf_counter() - start
+
+    def _release_device_cache(self, method: str) -> None:
+        """After a call, when other processes share this rank's GPU: give the allocator's free blocks back (each role
+        process otherwise keeps its own peak, logits or KV cache or activations, while the others run)."""
+        if not self.release_device_cache:
+            return
+        from megatron_ppo.parallel.device_memory import release_cached_memory
+
+        freed = release_cached_memory()
+        self.cache_releases += 1
+        self.cache_released_bytes += freed
+        if self.cache_releases == 1:
+            logger.info("%r: other processes share this GPU: after each call this rank gives its cached device "
+                        "memory back (first: after %s, %.2f GiB)", self, method, freed / 2 ** 30)
 
     def _release_heap_if_host_short(self, method: str) -> None:
         """After a call, give this rank's free heap back when the host is short of memory (models/heap.py)."""
@@ -111,14 +137,17 @@ class RankActor:
 class RayWorkerGroup(WorkerGroup):
     """``layout.world_size`` RankActors of ``role`` on ``placement``, hosting ``worker_cls(**worker_kwargs)``.
 
-    collective_timeout_s: torch.distributed / Megatron group timeout (the backstop for a live rank that never joins
-        a collective; Megatron's default is 30 min). call_timeout_s: optional bound on any one call.
+    collective_timeout_s: torch.distributed / Megatron group timeout on gloo (the backstop for a live rank that never
+        joins a collective). nccl_timeout_s: the group timeout on NCCL (None: collective_timeout_s; see
+        parallel.group_timeout_s). call_timeout_s: optional bound on any one call. release_device_cache: every rank
+        empties its CUDA cache after each call (other processes share its GPU).
     """
 
     def __init__(self, role: str, layout: RankLayout, placement: RolePlacement, worker_cls,
                  worker_kwargs: dict | None = None, *, seed: int = 1234, collective_timeout_s: float = 120.0,
                  setup_timeout_s: float = 600.0, call_timeout_s: float | None = None, grace_s: float = 1.0,
-                 kill_timeout_s: float = 20.0, release_heap_below_available: float = 0.0):
+                 kill_timeout_s: float = 20.0, release_heap_below_available: float = 0.0,
+                 nccl_timeout_s: float | None = None, release_device_cache: bool = False):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -126,8 +155,9 @@ class RayWorkerGroup(WorkerGroup):
             raise ValueError(f"{role}: placement has no placement group (create_placement first)")
         if len(placement.bundle_indices) != layout.world_size:
             raise ValueError(f"{role}: {layout} but the placement seats {len(placement.bundle_indices)} ranks")
-        if collective_timeout_s <= 0:
-            raise ValueError(f"{role}: collective_timeout_s={collective_timeout_s} must be > 0")
+        for name, value in (("collective_timeout_s", collective_timeout_s), ("nccl_timeout_s", nccl_timeout_s)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{role}: {name}={value} must be > 0")
         self.worker_cls = resolve_worker_class(worker_cls)  # a typo fails here, before any process starts
         self.role, self.layout, self.placement = role, layout, placement
         self.call_timeout_s, self.grace_s, self.kill_timeout_s = call_timeout_s, grace_s, kill_timeout_s
@@ -135,6 +165,7 @@ class RayWorkerGroup(WorkerGroup):
         self.rank_table: list[dict] = []  # every role's rank -> node records (placement.rank_table), for node loss
         self.node_ports: dict[str, int] = {}  # node ip -> its Ray node manager's port (the liveness probe)
         self.threads: list[int] = []  # per rank, from setup
+        self.group_timeout_s: list[float] = []  # per rank, its process group's timeout as torch reports it
         self.timings: dict[str, float] = {}
         self.dispatch_s = 0.0  # summed over calls: wall time minus the slowest rank's time in the method
         self._dead = False
@@ -157,10 +188,12 @@ class RayWorkerGroup(WorkerGroup):
             kwargs_ref = ray.put(dict(worker_kwargs or {}))
             cls_ref = ray.put(worker_cls)
             setup = [a.setup.remote(master_addr, master_port, (layout.tp, layout.pp, layout.dp), seed,
-                                    collective_timeout_s / 60.0, placement.threads, cls_ref, kwargs_ref,
-                                    release_heap_below_available)
+                                    collective_timeout_s, placement.threads, cls_ref, kwargs_ref,
+                                    release_heap_below_available, nccl_timeout_s, release_device_cache)
                      for a in self.actors]
-            self.threads = [info["threads"] for info in self._wait(setup, "setup", setup_timeout_s)]
+            answers = self._wait(setup, "setup", setup_timeout_s)
+            self.threads = [info["threads"] for info in answers]
+            self.group_timeout_s = [info["group_timeout_s"] for info in answers]
         except BaseException:
             self.shutdown()
             raise

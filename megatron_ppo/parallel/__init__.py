@@ -31,15 +31,40 @@ __all__ = [
     "is_first_stage",
     "is_last_stage",
     "seed_everything",
+    "group_timeout_s",
+    "process_group_timeout_s",
 ]
 
 _owns_process_group = False
 _initialized = False
 
 
-def _init_process_group(backend: str, timeout_minutes: int) -> None:
+def group_timeout_s(backend: str, timeout_s: float, nccl_timeout_s: float | None = None) -> float:
+    """The timeout of every torch.distributed and Megatron group of a process on ``backend``.
+
+    nccl: ``nccl_timeout_s`` (None: ``timeout_s``). NCCL's watchdog aborts the process when a collective outlasts
+    the group timeout, and a synchronous checkpoint save or load of tens of GB per rank keeps the ranks that finished
+    first waiting in a collective for minutes; Megatron's gloo twins of the DP groups (its distributed-optimizer
+    checkpoints gather through them) wait as long, so they get the same. gloo (CPU, no NCCL): ``timeout_s``, the
+    fail-fast backstop (cluster.collective_timeout_s): there the timeout is what ends a collective whose live peer
+    never joins it, so it stays short; a CPU config that saves for longer raises it (smollm2_gsm8k.yaml: 600 s)."""
+    if backend == "nccl" and nccl_timeout_s is not None:
+        return float(nccl_timeout_s)
+    return float(timeout_s)
+
+
+def process_group_timeout_s(group=None) -> float:
+    """The timeout ``group`` (default: the world) was created with, read back from its backend (diagnostics, tests)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = group or c10d._get_default_group()
+    device = torch.device("cuda") if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+    return pg._get_backend(device).options._timeout.total_seconds()
+
+
+def _init_process_group(backend: str, timeout_s: float) -> None:
     global _owns_process_group
-    timeout = datetime.timedelta(minutes=timeout_minutes)
+    timeout = datetime.timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
             if key not in os.environ:
@@ -70,11 +95,13 @@ def initialize(
     backend: str | None = None,
     *,
     cp: int = 1,
-    timeout_minutes: int = 30,
+    timeout_s: float = 1800.0,
+    nccl_timeout_s: float | None = None,
 ) -> None:
     """Initialise torch.distributed (if needed), Megatron's parallel_state and the RNG tracker.
 
     backend: None picks nccl when CUDA is available, else gloo (with the CPU platform layer).
+    timeout_s / nccl_timeout_s: the groups' timeout on gloo / on nccl (``group_timeout_s``; None: timeout_s).
     World size comes from the torchrun-style env (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT); without it the
     process is a world of one. An already-initialised process group is reused (and then not destroyed by destroy()).
     """
@@ -100,8 +127,9 @@ def initialize(
     if not on_cpu:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    timeout = group_timeout_s(backend, timeout_s, nccl_timeout_s)
     if not dist.is_initialized():
-        _init_process_group(backend, timeout_minutes)
+        _init_process_group(backend, timeout)
 
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
@@ -112,11 +140,12 @@ def initialize(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
-        distributed_timeout_minutes=timeout_minutes,
+        distributed_timeout_minutes=timeout / 60.0,  # a float works: megatron makes it a timedelta
     )
     seed_everything(seed)
     _initialized = True
-    logger.debug("parallel.initialize: rank %d/%d tp=%d pp=%d dp=%d", dist.get_rank(), world, tp, pp, dp_size())
+    logger.debug("parallel.initialize: rank %d/%d tp=%d pp=%d dp=%d, %s groups time out after %.0f s",
+                 dist.get_rank(), world, tp, pp, dp_size(), backend, timeout)
 
 
 def destroy(destroy_process_group: bool = True) -> None:

@@ -1,7 +1,8 @@
 """`megatron-ppo plan --config FILE [--gpus N] [--gpu-mem-gib M] [key=value ...]`: will this config fit, and how long
 will a step take? Per role: every (TP, PP, DP, recompute, offload) layout on the GPUs with its per-GPU memory
-broken down, infeasible ones with the reason; then the configured layouts colocated on one GPU, the smallest PP
-that fits, and a step-time estimate. Exit 1 when the configured layout does not fit (so scripts can gate on it).
+broken down, infeasible ones with the reason; then the configured layouts colocated on one GPU (one process per
+role: each its resident memory, its own transient peak and a CUDA context), the smallest PP that fits, and a
+step-time estimate. Exit 1 when the configured layout does not fit (so scripts can gate on it).
 
 A row's columns are the parts of its total and add up to it: weights + grads + optimizer (resident) + the larger
 transient phase, training (activations + logits) or generation (kv_cache), the other phase printed as '-'
@@ -16,8 +17,8 @@ import sys
 
 from megatron_ppo.errors import UsageError
 from megatron_ppo.plan import comm
-from megatron_ppo.plan.layouts import (MARGIN, colocated, comm_times, enumerate_layouts, recommend_pp, role_specs,
-                                       step_time, with_world)
+from megatron_ppo.plan.layouts import (MARGIN, colocated, comm_times, context_bytes, enumerate_layouts,
+                                       process_bytes, recommend_pp, released_peak, role_specs, step_time, with_world)
 from megatron_ppo.plan.memory import GIB, Hardware, Memory, total_params
 
 # What a row's total is made of (Memory.total = resident + transient, memory.py): the resident parts, held all run,
@@ -68,7 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="tiny_cpu", help="config name in configs/ or a YAML path")
     p.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: cluster.nnodes x n_gpus_per_node)")
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory per GPU (default 80, H100)")
-    p.add_argument("--headroom-gib", type=float, default=6.0, help="kept free per GPU (context, NCCL, fragmentation)")
+    p.add_argument("--headroom-gib", type=float, default=6.0, help="kept free per GPU (NCCL buffers, fragmentation)")
+    p.add_argument("--cuda-context-gib", type=float, default=None,
+                   help="CUDA context per process on a GPU (default 1; 0 for cluster.device=cpu): Hardware in "
+                        "plan/memory.py says where the number comes from")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200: 989)")
     p.add_argument("--hbm-tbps", type=float, default=3.35, help="memory bandwidth per GPU (H100 3.35, H200 4.8)")
     p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation of the training/forward phases")
@@ -188,8 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     if gpus % per_node:
         raise UsageError(f"--gpus {gpus} is not a multiple of cluster.n_gpus_per_node "
                          f"({cfg.cluster.n_gpus_per_node})")
+    context = args.cuda_context_gib
+    if context is None:  # a CPU run has no CUDA context
+        context = 0.0 if cfg.cluster.device == "cpu" else Hardware.cuda_context_gib
     hw = Hardware(args.gpu_mem_gib, args.peak_tflops, args.hbm_tbps, args.mfu, args.headroom_gib,
-                  intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs, dp_overlap=args.dp_overlap)
+                  intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs, dp_overlap=args.dp_overlap,
+                  cuda_context_gib=context)
     specs = with_world(role_specs(cfg, gpus), gpus)
     rows, total, problems = colocated(specs, hw, per_node)
     best_pp = recommend_pp(specs, gpus, hw, per_node)
@@ -197,18 +205,21 @@ def main(argv: list[str] | None = None) -> int:
     comms = comm_times(specs, hw, per_node)
     sync = weight_sync_note(cfg)
     listing = {role: enumerate_layouts(spec, gpus, per_node, hw) for role, spec in specs.items()}
-    colo_role = max(rows, key=lambda r: rows[r].mem.transient)
     colo_resident = {r: row.mem.resident for r, row in rows.items()}
+    colo_process = {r: process_bytes(row.mem, hw) for r, row in rows.items()}
+    ctx = context_bytes(hw)
     if args.json:
         print(json.dumps({
             "gpus": gpus, "hardware": hw.__dict__,
             "params": {r: total_params(s.arch, r) for r, s in specs.items()},
             "configured": {r: {"layout": row.layout.label(), "memory_gib": memory_json(row.mem),
                                "problems": row.problems} for r, row in rows.items()},
-            # the colocated total: every role's resident memory + the largest role's transient phase
-            "colocated": {"total_gib": total / GIB, "resident_gib": {r: v / GIB for r, v in colo_resident.items()},
-                          "transient_gib": rows[colo_role].mem.transient / GIB, "transient_role": colo_role,
-                          "transient_phase": peak_phase(rows[colo_role].mem)},
+            # the colocated total: per role process, its resident memory + its own transient peak + a CUDA context
+            "colocated": {"total_gib": total / GIB, "process_gib": {r: v / GIB for r, v in colo_process.items()},
+                          "resident_gib": {r: v / GIB for r, v in colo_resident.items()},
+                          "transient_gib": {r: row.mem.transient / GIB for r, row in rows.items()},
+                          "transient_phase": {r: peak_phase(row.mem) for r, row in rows.items()},
+                          "context_gib": ctx / GIB, "released_peak_gib": released_peak(rows, hw) / GIB},
             "colocated_gib": total / GIB, "fits": not problems, "problems": problems, "recommended_pp": best_pp,
             "step_time_s": times,
             # communication per phase (in step_time_s as <phase>_comm, comm and step); plan/comm.py
@@ -241,15 +252,21 @@ def main(argv: list[str] | None = None) -> int:
                     reasons[key] = reasons.get(key, 0) + 1
             out.append(f"  ({bad} infeasible layouts not shown; --all lists them: " +
                        "; ".join(f"{k}: {v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])[:4]) + ")")
-    out += ["", f"configured layouts, colocated ({u} per GPU): every role's resident memory + the largest transient "
-            "phase (they take turns)"]
+    out += ["", f"configured layouts, colocated ({u} per GPU): one process per role, each holding its resident "
+            "memory, its own transient peak (its caching allocator keeps it) and a CUDA context"]
     cells = [[role, row.layout.label()] + [unit(getattr(row.mem, k)) for k in RESIDENT]
-             + [unit(row.mem.resident), unit(row.mem.transient), peak_phase(row.mem)] for role, row in rows.items()]
-    out += _table(["role", "layout", *RESIDENT, "resident", "transient", "phase"], cells, left=(0, 1))
-    out.append(f"  total = resident {unit(sum(colo_resident.values()))} + the largest transient "
-               f"{unit(rows[colo_role].mem.transient)} ({colo_role} {peak_phase(rows[colo_role].mem)}) = "
+             + [unit(row.mem.resident), unit(row.mem.transient), unit(ctx), unit(colo_process[role]),
+                peak_phase(row.mem)] for role, row in rows.items()]
+    out += _table(["role", "layout", *RESIDENT, "resident", "transient", "context", "process", "phase"], cells,
+                  left=(0, 1))
+    out.append(f"  total = {len(rows)} processes: resident {unit(sum(colo_resident.values()))} + transient "
+               f"{unit(sum(row.mem.transient for row in rows.values()))} + context {unit(ctx * len(rows))} = "
                f"{unit(total)} {u} per GPU of {hw.gpu_mem_gib - hw.headroom_gib:g} GiB usable: "
                + ("FITS" if not problems else "DOES NOT FIT: " + "; ".join(problems)))
+    if cfg.cluster.device != "cpu":
+        out.append(f"  (ranks on a shared GPU empty their CUDA cache after every call: if all of it came back, the "
+                   f"peak would be {unit(released_peak(rows, hw))} {u}, every resident + context and the largest "
+                   "transient)")
     out.append(f"  smallest PP at which the colocated roles fit with {MARGIN:.0%} to spare (TP and the rest as "
                f"configured): {best_pp}")
     out += ["", *_time_lines(times, comms, hw, gpus, sync)]

@@ -1,5 +1,6 @@
 """Layouts of a PPO config: the configured one per role, every alternative on the same GPUs, and whether the
-colocated roles fit one GPU together (the driver keeps every role's weights, gradients and optimizer resident)."""
+colocated roles fit one GPU together (one process per role, each holding its weights, gradients, optimizer, its own
+transient peak and a CUDA context)."""
 from __future__ import annotations
 
 import dataclasses
@@ -114,13 +115,25 @@ class Row:
         return not self.problems
 
 
+def context_bytes(hw: Hardware) -> int:
+    """One process's CUDA context (Hardware.cuda_context_gib; 0 on CPU)."""
+    return int(hw.cuda_context_gib * GIB)
+
+
+def process_bytes(mem: Memory, hw: Hardware) -> int:
+    """What one role's process holds on its GPU from its first peak on: resident + its own transient peak (the
+    caching allocator keeps what it freed for this process) + a CUDA context."""
+    return mem.total + context_bytes(hw)
+
+
 def evaluate(spec: RoleSpec, layout: Layout, hw: Hardware, gpus_per_node: int) -> Row:
     mem = memory(spec.arch, spec.role, layout, spec.work)
     problems = layout_problems(spec, layout, gpus_per_node)
     budget = (hw.gpu_mem_gib - hw.headroom_gib) * GIB
-    if mem.total > budget:
-        problems.append(f"needs {mem.total / GIB:.1f} GiB > {hw.gpu_mem_gib:g} - {hw.headroom_gib:g} GiB headroom "
-                        "(alone on the GPU)")
+    if process_bytes(mem, hw) > budget:
+        ctx = f" + {hw.cuda_context_gib:g} GiB CUDA context" if hw.cuda_context_gib else ""
+        problems.append(f"needs {mem.total / GIB:.1f} GiB{ctx} > {hw.gpu_mem_gib:g} - {hw.headroom_gib:g} GiB "
+                        "headroom (alone on the GPU)")
     return Row(spec.role, layout, mem, problems)
 
 
@@ -144,15 +157,26 @@ def enumerate_layouts(spec: RoleSpec, gpus: int, gpus_per_node: int, hw: Hardwar
 
 
 def colocated(specs: dict[str, RoleSpec], hw: Hardware, gpus_per_node: int) -> tuple[dict[str, Row], float, list]:
-    """The configured layouts sharing every GPU: sum of the roles' resident bytes + the largest transient."""
+    """The configured layouts sharing every GPU, one process per role: the sum of what each process holds
+    (``process_bytes``: resident + its own transient peak + a CUDA context). Not the roles' resident memory + the
+    largest transient, as if they shared one allocator: each process's caching allocator keeps its own peak while
+    the others run. The driver's ranks on a shared GPU empty their cache after every call (ray_group.RankActor), so
+    the real peak is usually nearer ``released_peak``; the plan keeps the bound that holds when they cannot
+    (fragmentation: a block stays while any tensor in it lives)."""
     rows = {r: evaluate(s, s.layout, hw, gpus_per_node) for r, s in specs.items()}
-    total = sum(r.mem.resident for r in rows.values()) + max(r.mem.transient for r in rows.values())
+    total = sum(process_bytes(r.mem, hw) for r in rows.values())
     problems = [f"{r}: {p}" for r, row in rows.items() for p in row.problems if "alone on the GPU" not in p]
     budget = (hw.gpu_mem_gib - hw.headroom_gib) * GIB
     if total > budget:
         problems.append(f"colocated roles need {total / GIB:.1f} GiB per GPU > {hw.gpu_mem_gib:g} - "
                         f"{hw.headroom_gib:g} GiB headroom")
     return rows, total, problems
+
+
+def released_peak(rows: dict[str, Row], hw: Hardware) -> int:
+    """The colocated peak if every role gave all its transient memory back after each call: every process's
+    resident memory and context + the largest transient (the roles take turns)."""
+    return sum(r.mem.resident + context_bytes(hw) for r in rows.values()) + max(r.mem.transient for r in rows.values())
 
 
 MARGIN = 0.15  # the tolerance docs/scaling.md validates the parameter/optimizer memory model to
@@ -257,5 +281,6 @@ def with_world(specs: dict[str, RoleSpec], gpus: int) -> dict[str, RoleSpec]:
             for r, s in specs.items()}
 
 
-__all__ = ["RoleSpec", "Row", "role_specs", "enumerate_layouts", "colocated", "recommend_pp", "step_time",
+__all__ = ["RoleSpec", "Row", "role_specs", "enumerate_layouts", "colocated", "released_peak", "process_bytes",
+           "context_bytes", "recommend_pp", "step_time",
            "comm_times", "phase_names", "evaluate", "layout_problems", "role_arch", "with_world"]

@@ -233,7 +233,13 @@ class Hardware:
     peak_tflops: float = 989.0   # H100/H200 SXM dense bf16
     hbm_tbps: float = 3.35       # H100 SXM; H200: 4.8
     mfu: float = 0.40            # training/forward phases
-    headroom_gib: float = 6.0    # CUDA context, NCCL buffers, allocator fragmentation
+    headroom_gib: float = 6.0    # per GPU: NCCL buffers, allocator fragmentation (contexts: cuda_context_gib)
+    # Per process on a GPU (colocated roles are one process each): the CUDA context and the kernels loaded into it,
+    # outside any allocator. nvidia-smi readings of a bare PyTorch process: 781 MB (pytorch/pytorch#34323), ~567 MB
+    # for the context alone (#25752); 255 MB with CUDA 12's lazy loading before any kernel ran (#144025), which then
+    # loads cuBLAS / NCCL / Megatron kernels as a training step first uses them. 1 GiB: the eager figures rounded
+    # up; not measured here (no GPU lent: `torch.cuda.mem_get_info` minus `memory_reserved` per process would).
+    cuda_context_gib: float = 1.0
     # Links, GB/s per GPU and direction (plan/comm.py). NVLink 4 of an H100/H200 SXM: 18 links, 900 GB/s both ways
     # together (NVIDIA H100 datasheet), 450 one way. Between nodes: DGX/HGX H100 has one 400 Gb/s InfiniBand NIC
     # (ConnectX-7) per GPU = 50 GB/s. Peak link rates: what NCCL reaches ("bus bandwidth") is lower, so the
@@ -249,6 +255,8 @@ class Hardware:
         for name in ("intra_node_gbs", "inter_node_gbs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Hardware: {name} must be > 0, got {getattr(self, name)}")
+        if self.cuda_context_gib < 0:
+            raise ValueError(f"Hardware: cuda_context_gib must be >= 0, got {self.cuda_context_gib}")
 
 
 def phase_seconds(flops: float, gpus: int, hw: Hardware) -> float:

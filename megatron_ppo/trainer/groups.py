@@ -38,6 +38,16 @@ def on_gpu(cfg) -> bool:
     return cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
 
 
+def shares_gpu(cfg, role: str, placement) -> bool:
+    """Whether other processes use the GPU of each of the role's ranks (``placement``: its RolePlacement), each
+    with a caching allocator of its own: a fraction of a GPU per rank (colocated roles split every bundle's GPU; a
+    fractional cluster.num_gpus_per_rank lets Ray seat other ranks on it), or the actor beside its vLLM engine
+    (started on the owner rank's GPU). Such ranks empty their CUDA cache after every call (RankActor.call); a rank
+    with whole GPUs of its own keeps its cache (no other process could use it), and on CPU there is none."""
+    gpus = placement.num_gpus
+    return 0 < gpus < 1 or (gpus > 0 and role == "actor" and cfg.rollout.name == "vllm")
+
+
 def cpus_per_rank(cfg, node_cpus: int | None = None) -> float:
     """cluster.num_cpus_per_rank, with ``auto`` resolved: ``node_cpus`` (default: this process's CPUs) over the
     bundles placed on one node; launcher=local: every role runs in this process, so all of ``node_cpus``."""
@@ -132,14 +142,19 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
         write_rank_table(table, cfg.trainer.log_dir)
         for role, layout in layouts(cfg).items():
             extra = {"total_steps": total_steps} if roles.spec(role).trainable else {}
+            shared = shares_gpu(cfg, role, placement.roles[role])
             out.groups[role] = RayWorkerGroup(role, layout, placement.roles[role], classes[role], {**kwargs, **extra},
                                               seed=cfg.trainer.seed, collective_timeout_s=cfg.cluster.collective_timeout_s,
+                                              nccl_timeout_s=cfg.cluster.nccl_timeout_s, release_device_cache=shared,
                                               release_heap_below_available=cfg.cluster.release_heap_below_available)
             out.groups[role].rank_table = table  # a lost node is named with every role's ranks on it
             rp, threads = placement.roles[role], sorted(set(out.groups[role].threads))
-            log.info("%s: %s on Ray, %s torch thread(s) per rank (bundle of %g CPUs%s), up in %.1f s", role, layout,
-                     "/".join(map(str, threads)), placement.pools[rp.pool][0].get("CPU", 0),
+            log.info("%s: %s on Ray, %s torch thread(s) per rank (bundle of %g CPUs%s), groups time out after "
+                     "%.0f s%s, up in %.1f s", role, layout, "/".join(map(str, threads)),
+                     placement.pools[rp.pool][0].get("CPU", 0),
                      ", shared by the colocated roles" if placement.mode == "colocated" else "",
+                     max(out.groups[role].group_timeout_s),
+                     "; the GPU is shared: its CUDA cache is emptied after each call" if shared else "",
                      out.groups[role].timings["start_s"])
         return out
     except BaseException:

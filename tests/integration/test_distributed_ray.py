@@ -142,9 +142,12 @@ def test_tp2_dp2_forward_equals_local_tp1_and_rows_keep_their_order(ray_cluster,
     try:
         start = time.perf_counter()
         group = RayWorkerGroup("actor", layout, plan.roles["actor"], ForwardWorker, seed=99,  # other init
-                               collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+                               collective_timeout_s=COLLECTIVE_TIMEOUT_S, nccl_timeout_s=1800)
         report = [f"group start, 4 ranks (TP2 x DP2): {time.perf_counter() - start:.1f} s {group.timings}"]
         try:
+            # gloo keeps the fail-fast backstop (NCCL's 30 min would hold a hung peer's group that long): torch's
+            # own reading of each rank's group
+            assert group.group_timeout_s == [COLLECTIVE_TIMEOUT_S] * 4
             where = group.call_all("where")
             assert [w["rank"] for w in where] == [0, 1, 2, 3] and {w["world"] for w in where} == {4}
             assert [w["coords"] for w in where] == [tuple(layout.coords(r)) for r in range(4)]
@@ -210,7 +213,8 @@ def test_colocated_roles_share_bundles_and_kill9_fails_fast(ray_cluster):
         critic = RayWorkerGroup("critic", layouts["critic"], plan.roles["critic"],
                                 "megatron_ppo.workers.megatron_worker:MegatronWorker",
                                 {"role": "critic", "arch": tiny_arch()}, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-                                release_heap_below_available=0.999)  # the host is always "short": every call releases
+                                release_heap_below_available=0.999,  # the host is always "short": every call releases
+                                release_device_cache=True)  # as the driver sets it for roles sharing a GPU
         assert [ray.available_resources().get(key, 0.0) for key in free] == [0.0, 0.0]  # critic: the other halves
         for group in (actor, critic):
             infos = ray.get([a.info.remote() for a in group.actors])
@@ -223,8 +227,12 @@ def test_colocated_roles_share_bundles_and_kill9_fails_fast(ray_cluster):
         # cluster.release_heap_below_available: a rank gives back its free heap after a call when its host is short
         # (the critic's threshold above), and never at 0 (the actor's, RayWorkerGroup's default)
         assert [i["heap_releases"] for i in ray.get([a.info.remote() for a in critic.actors])] == [1, 1]
+        # a rank on a shared GPU empties its CUDA cache after every call (the platform layer's no-op on CPU: 0 bytes)
+        assert [(i["cache_releases"], i["cache_released_bytes"])
+                for i in ray.get([a.info.remote() for a in critic.actors])] == [(1, 0), (1, 0)]
         actor.call_all("where")
-        assert [i["heap_releases"] for i in ray.get([a.info.remote() for a in actor.actors])] == [0, 0]
+        assert [(i["heap_releases"], i["cache_releases"])
+                for i in ray.get([a.info.remote() for a in actor.actors])] == [(0, 0), (0, 0)]
 
         pids = actor.pids()
         victim = 1

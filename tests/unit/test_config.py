@@ -337,6 +337,10 @@ RULES = [
     ("verl_trainer_nnodes", "tiny_cpu", ["trainer.nnodes=2"], ["'cluster.nnodes'"]),
     ("heap_release_fraction", "tiny_cpu", ["cluster.release_heap_below_available=1.0"],
      ["cluster.release_heap_below_available: must be a fraction in [0, 1) (0: never), got 1.0"]),
+    ("nccl_timeout_positive", "tiny_cpu", ["cluster.nccl_timeout_s=0"], ["cluster.nccl_timeout_s: must be > 0, got 0"]),
+    # a GPU config that raised collective_timeout_s to cover its saves: on GPUs nccl_timeout_s is the one that counts
+    ("nccl_timeout_below_backstop", "gsm8k_ppo", ["cluster.collective_timeout_s=3600"],
+     ["cluster.nccl_timeout_s: 1800 s is shorter than cluster.collective_timeout_s (3600 s)", "at least 3600"]),
     ("override_syntax", "tiny_cpu", ["actor.clip_ratio"], ["'actor.clip_ratio'", "dotted.key=value"]),
     ("override_below_a_scalar", "tiny_cpu", ["actor.clip_ratio.low=1"], ["actor.clip_ratio is a float"]),
     ("override_bad_yaml", "tiny_cpu", ["trainer.logger=[console"], ["trainer.logger", "not valid YAML"]),
@@ -597,6 +601,12 @@ def test_validation_error_names_the_key(base, overrides, expected):
     message = str(info.value)
     for text in expected:
         assert text in message, f"{text!r} not in:\n{message}"
+
+
+def test_nccl_timeout_may_be_below_the_backstop_on_cpu():
+    """cluster.device=cpu never runs NCCL: a long gloo backstop alone is no error."""
+    cfg = load_config("tiny_cpu", ["cluster.collective_timeout_s=3600"])
+    assert (cfg.cluster.collective_timeout_s, cfg.cluster.nccl_timeout_s) == (3600, 1800)
 
 
 def test_rule_ids_are_unique():

@@ -117,6 +117,25 @@ def test_plan_70b_config_fits_at_the_recommended_pp(capsys):
     assert rc1 == 1 and not d1["fits"] and "colocated roles need" in d1["problems"][-1]
 
 
+def test_colocated_roles_are_planned_as_one_process_each():
+    """Each role's process keeps its own allocator's peak and its own CUDA context (issue 47): the plan is the sum of
+    what every process holds, not sum(resident) + max(transient), which accepted GPUs on which the run can OOM."""
+    from megatron_ppo.config import load_config
+    from megatron_ppo.plan import Hardware
+    from megatron_ppo.plan.layouts import colocated, released_peak, role_specs, with_world
+    from megatron_ppo.plan.memory import GIB
+
+    specs = with_world(role_specs(load_config("gsm8k_7b", []), 8), 8)
+    hw = Hardware()
+    rows, total, problems = colocated(specs, hw, 8)
+    mems = [row.mem for row in rows.values()]
+    assert not problems and total == sum(m.resident + m.transient for m in mems) + 3 * GIB  # 3 roles, 1 GiB each
+    shared = released_peak(rows, hw)  # every cache given back: what the old plan counted, plus the contexts
+    assert shared == sum(m.resident for m in mems) + max(m.transient for m in mems) + 3 * GIB < total
+    between = Hardware(gpu_mem_gib=(shared + total) / 2 / GIB + hw.headroom_gib)  # fits only if caches came back
+    assert colocated(specs, between, 8)[2][-1].startswith("colocated roles need")
+
+
 def test_plan_7b_config_and_text_output(capsys):
     rc, out = _plan(capsys, "--config", "gsm8k_7b")
     assert rc == 0 and "FITS" in out and "* TP4 PP1 DP2 SP rc=selective" in out

@@ -134,9 +134,15 @@ def test_json_rows_carry_parts_that_sum_to_the_total(capsys, config):
         assert set(m["parts"]) | set(m["not_counted"]) == set(PARTS) and not set(m["parts"]) & set(m["not_counted"])
         assert sum(m["not_counted"].values()) <= sum(m["parts"][k] for k in PHASES[m["peak_phase"]]) + 1e-12
         assert set(m["alternatives"]) == set(ALTERNATIVES), m
-    c = d["colocated"]
-    assert sum(c["resident_gib"].values()) + c["transient_gib"] == pytest.approx(c["total_gib"], rel=1e-12)
+    c = d["colocated"]  # one process per role: its resident memory + its own transient peak + a CUDA context
+    for role, held in c["process_gib"].items():
+        assert c["resident_gib"][role] + c["transient_gib"][role] + c["context_gib"] == pytest.approx(held, rel=1e-12)
+    assert sum(c["process_gib"].values()) == pytest.approx(c["total_gib"], rel=1e-12)
     assert c["total_gib"] == d["colocated_gib"]
+    assert c["context_gib"] == (0.0 if config == "tiny_cpu" else 1.0)  # no CUDA context on a CPU config
+    released = sum(c["resident_gib"].values()) + len(c["process_gib"]) * c["context_gib"] + max(
+        c["transient_gib"].values())
+    assert c["released_peak_gib"] == pytest.approx(released, rel=1e-12)
 
 
 def test_split_is_exactly_memory_total_in_bytes(capsys):
@@ -185,17 +191,23 @@ def test_colocated_summary_adds_up(capsys, config):
     lines = out.splitlines()
     i = next(k for k, line in enumerate(lines) if line.startswith("configured layouts, colocated"))
     head = lines[i + 1].split()
-    assert head == ["role", "layout", *RESIDENT, "resident", "transient", "phase"]
-    resident = 0.0
+    assert head == ["role", "layout", *RESIDENT, "resident", "transient", "context", "process", "phase"]
+    sums = [0.0, 0.0, 0.0, 0.0]  # resident, transient, context, process over the roles
+    n = 0
     for line in lines[i + 2:]:
         if line.strip().startswith("total ="):
             break
         nums = [float(x) for x in re.findall(r"\s(\d+\.\d\d)(?=\s)", line + " ")]
-        w, g, o, res, _ = nums[-5:]
+        w, g, o, res, tr, ctx, held = nums[-7:]
         assert abs(w + g + o - res) <= 4 * HALF + 1e-9, line
-        resident += res
-    m = re.search(r"total = resident (\d+\.\d+) \+ the largest transient (\d+\.\d+) \(\w+ \w+\) = (\d+\.\d+) "
-                  r"(GiB|MiB) per GPU", line)
+        assert abs(res + tr + ctx - held) <= 4 * HALF + 1e-9, line  # each process: resident + transient + context
+        sums = [a + b for a, b in zip(sums, (res, tr, ctx, held))]
+        n += 1
+    m = re.search(r"total = (\d+) processes: resident (\d+\.\d+) \+ transient (\d+\.\d+) \+ context "
+                  r"(\d+\.\d+) = (\d+\.\d+) (GiB|MiB) per GPU", line)
     assert m, line
-    r, t, total = (float(x) for x in m.groups()[:3])
-    assert abs(r + t - total) <= 3 * HALF + 1e-9 and abs(resident - r) <= 4 * HALF + 1e-9, line
+    assert int(m.group(1)) == n
+    r, t, c, total = (float(x) for x in m.groups()[1:5])
+    assert abs(r + t + c - total) <= 4 * HALF + 1e-9, line
+    for printed, summed in zip((r, t, c, total), sums):
+        assert abs(printed - summed) <= 2 * n * HALF + 1e-9, (line, sums)
