@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ppo.models.arch import ModelArch
+from megatron_ppo.models.fusions import fusion_settings, grad_accum_fusion_available
 from megatron_ppo.models.layers import ValueHead
 from megatron_ppo.models.spec import decoder_block_spec, resolve_transformer_impl
 from megatron_ppo.parallel.platform import cpu_platform_enabled, cpu_platform_needed
@@ -185,13 +186,9 @@ def transformer_config(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=on_cpu,
-        # Fusions that need apex / TE / CUDA kernels, or torch.compile, stay off; SDPA does the heavy part.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        # Fused kernels where their library is present on a GPU, none on the CPU (models/fusions.py).
+        **fusion_settings("transformer_engine" if impl == "transformer_engine" else "local", not on_cpu,
+                          arch.activation, arch.activation == "swiglu", False, grad_accum_fusion_available()),
         # Micro-batches of dynamic size (packed, token-budget batches) through the pipeline schedules.
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # (dense model; megatron rejects variable lengths with 'allgather')

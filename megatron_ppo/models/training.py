@@ -10,14 +10,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def ddp_overlap(backend: str, use_distributed_optimizer: bool) -> dict:
+    """DDP's communication overlap for a process-group backend: on NCCL Megatron-LM's training settings — gradients
+    reduced per bucket while the backward runs (megatron's bucket size: max(40M, 1M x DP) parameters) and, with
+    the distributed optimizer, parameters all-gathered per bucket as the next forward reaches them; on gloo one
+    synchronous bucket after the backward (what the CPU tests and runs were validated with)."""
+    overlap = backend == "nccl"
+    return {"overlap_grad_reduce": overlap, "overlap_param_gather": overlap and use_distributed_optimizer}
+
+
 def wrap_ddp(model, *, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
-             grad_reduce_in_fp32: bool = True, bucket_size: int | None = None):
-    """Wrap a GPTModel stage in megatron DDP and set the schedule hooks on its config."""
+             overlap_param_gather: bool = False, grad_reduce_in_fp32: bool = True, bucket_size: int | None = None):
+    """Wrap a GPTModel stage in megatron DDP and set the schedule hooks on its config. With
+    ``overlap_param_gather`` the parameters are current only once a forward has run after a step (its pre-hooks
+    wait for each bucket's all-gather): read them otherwise through ``sync_params`` first."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
+    if overlap_param_gather and not (use_distributed_optimizer and overlap_grad_reduce):
+        raise ValueError("overlap_param_gather needs the distributed optimizer and overlap_grad_reduce")
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
         use_distributed_optimizer=use_distributed_optimizer,
         bucket_size=bucket_size,
     )
@@ -25,6 +39,15 @@ def wrap_ddp(model, *, use_distributed_optimizer: bool = False, overlap_grad_red
     model.config.no_sync_func = ddp.no_sync
     model.config.finalize_model_grads_func = finalize_model_grads
     return ddp
+
+
+def sync_params(ddp_models) -> None:
+    """All-gather every parameter bucket now (synchronously): after a step with ``overlap_param_gather`` the
+    weights are stale until a forward's pre-hooks gather them, so anything reading them outside a forward — a
+    checkpoint, a weight export, a decode step that calls the linears itself — calls this first."""
+    for chunk in (list(ddp_models) if isinstance(ddp_models, (list, tuple)) else [ddp_models]):
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
 
 
 @dataclass

@@ -37,6 +37,7 @@ class ActorWorker(RoleWorker):
         """Responses to this replica's prompts ({"prompt_ids": [...]}), padded to max_response_length; each DP
         replica samples with its own seed (rollout.base.replica_seed: trainer.seed, step, replica)."""
         params = self._replica_params(params, step)
+        self.current_params()
         return self._padded(self.engine.generate(list(prompts["prompt_ids"]), params), params)
 
     def generate_submit(self, prompts: dict, params: SamplingParams, step: int) -> None:
@@ -44,6 +45,7 @@ class ActorWorker(RoleWorker):
         weights held now while this rank goes on training; ``generate_collect`` takes the answer. Engines that
         generate inside this rank have no submit (config/checks.py refuses them)."""
         params = self._replica_params(params, step)
+        self.current_params()
         self.engine.submit(list(prompts["prompt_ids"]), params)
         self.submitted = params
 
@@ -69,6 +71,7 @@ class ActorWorker(RoleWorker):
 
     def sync_weights(self) -> None:
         """After an update: the engine takes the new weights (a no-op for the in-actor engine)."""
+        self.current_params()
         self.engine.sync_weights()
 
     def close(self) -> None:

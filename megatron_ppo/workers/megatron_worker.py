@@ -14,7 +14,8 @@ from megatron_ppo import parallel
 from megatron_ppo.algo import checks
 from megatron_ppo.models.gpt import build_gpt_model
 from megatron_ppo.models.schedule import forward_backward
-from megatron_ppo.models.training import OptimizerSettings, build_optimizer, wrap_ddp
+from megatron_ppo.models.training import OptimizerSettings, build_optimizer, sync_params, wrap_ddp
+from megatron_ppo.models.training import ddp_overlap as ddp_overlap_settings
 from megatron_ppo.ops.cpu_matmul import onednn_matmul
 from megatron_ppo.parallel.transfer import to_device, to_host
 
@@ -28,11 +29,12 @@ ONEDNN_MIN_HIDDEN = 512
 class MegatronWorker:
     def __init__(self, role: str, arch, *, optim=None, total_steps: int = 1, params_dtype=torch.float32,
                  use_distributed_optimizer: bool = False, recompute: dict | None = None,
-                 sequence_parallel: bool = False, cpu_gemm: str = "auto"):
+                 sequence_parallel: bool = False, cpu_gemm: str = "auto", ddp_overlap: bool | None = None):
         """recompute: activation checkpointing as models.gpt.build_gpt_model takes it ({"granularity", "method",
         "num_layers"}); use_distributed_optimizer: Megatron's DistributedOptimizer (state sharded over DP);
         cpu_gemm: "onednn" runs the fp32 CPU GEMMs of forward and train_step on oneDNN (ops/cpu_matmul.py),
-        "torch" leaves them to torch (MKL), "auto" is onednn from hidden size ONEDNN_MIN_HIDDEN up."""
+        "torch" leaves them to torch (MKL), "auto" is onednn from hidden size ONEDNN_MIN_HIDDEN up;
+        ddp_overlap: DDP's communication overlap (models/training.ddp_overlap); None: by the backend (NCCL on)."""
         if cpu_gemm not in ("auto", "onednn", "torch"):
             raise ValueError(f"cpu_gemm must be 'auto', 'onednn' or 'torch', got {cpu_gemm!r}")
         self.role = role
@@ -44,8 +46,12 @@ class MegatronWorker:
         self.onednn = self.device.type == "cpu" and (
             cpu_gemm == "onednn" or (cpu_gemm == "auto" and arch.hidden_size >= ONEDNN_MIN_HIDDEN))
         self.ddp = self.optimizer = self.scheduler = None
+        self.params_stale = False  # a step ran and overlap_param_gather has not gathered its result yet
         if optim is not None:
-            self.ddp = wrap_ddp(self.model, use_distributed_optimizer=use_distributed_optimizer)
+            backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "gloo"
+            overlap = ddp_overlap_settings(backend if ddp_overlap is None else ("nccl" if ddp_overlap else "gloo"),
+                                           use_distributed_optimizer)
+            self.ddp = wrap_ddp(self.model, use_distributed_optimizer=use_distributed_optimizer, **overlap)
             self.optimizer = build_optimizer(self.ddp, OptimizerSettings(
                 lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0], adam_beta2=optim.betas[1],
                 clip_grad=optim.clip_grad, use_distributed_optimizer=use_distributed_optimizer))
@@ -63,7 +69,15 @@ class MegatronWorker:
         with onednn_matmul(self.onednn), checks.deferred():
             outputs = forward_backward(self.module, micro_batches,
                                        lambda out, mb: (out.new_zeros(()), output_fn(out, mb)), forward_only=True)
+        self.params_stale = False  # the forward's pre-hooks gathered every bucket
         return to_host(outputs)
+
+    def current_params(self) -> None:
+        """Make the model's parameters the optimizer's latest before reading them outside a forward (generation,
+        weight export, checkpoints): with overlap_param_gather a step leaves them to the next forward's hooks."""
+        if self.params_stale:
+            sync_params(self.ddp)
+            self.params_stale = False
 
     def train_step(self, micro_batches: list[dict], loss_fn, skip_step=None) -> dict:
         """One optimizer step over the micro-batches.
@@ -92,6 +106,7 @@ class MegatronWorker:
 
         with onednn_matmul(self.onednn), checks.deferred():  # the value checks' verdicts: one read, at the end
             raw = forward_backward(self.ddp, micro_batches, recording_loss_fn)
+        self.params_stale = False
         # every micro-batch's metrics and the loss in one host read (losses live on the last pipeline stage)
         per_micro, totals = read_metrics(raw, [torch.stack(losses).sum()] if losses else [])
         loss = totals[0] if losses else 0.0
@@ -107,6 +122,7 @@ class MegatronWorker:
             return self._skip(result, grad_norm, "nonfinite")
         _clip_grads(self.optimizer, grad_norm)
         ok = self.optimizer.step_with_ready_grads()
+        self.params_stale = self.ddp.ddp_config.overlap_param_gather
         return {**result, "grad_norm": grad_norm, "update_skipped": float(not ok), "skip_reason": None if ok else
                 "optimizer"}
 

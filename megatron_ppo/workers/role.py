@@ -84,6 +84,7 @@ class RoleWorker(MegatronWorker):
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """This rank's shard: model weights (and optimizer state for a trainable role)."""
+        self.current_params()
         out = {"model": self.model.state_dict()}
         if self.optimizer is not None:
             out["optimizer"] = self.optimizer.state_dict()
@@ -104,6 +105,7 @@ class RoleWorker(MegatronWorker):
         from megatron_ppo.parallel.rng_state import capture_rng
 
         rng = capture_rng()  # before the save: whatever the save itself draws is not part of the run
+        self.current_params()
         save_checkpoint(self.model, directory, self.optimizer)
         return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "guard": self.guard_state(), "rng": rng, "layout": parallel.layout()}

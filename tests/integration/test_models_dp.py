@@ -1,5 +1,7 @@
 """A few optimizer steps: DP=2 (2 gloo ranks) lowers the loss exactly like DP=1 with gradient accumulation over the
-same micro-batches, with megatron's DDP + Adam (grad clipping on) and with the distributed optimizer."""
+same micro-batches, with megatron's DDP + Adam (grad clipping on), with the distributed optimizer, and with it and
+NCCL's communication overlap (gradients reduced per bucket during the backward, parameters gathered per bucket in
+the next forward: models/training.ddp_overlap), forced on over gloo with small buckets."""
 from __future__ import annotations
 
 import pytest
@@ -21,20 +23,22 @@ def _data(vocab):
     return [mbs] * STEPS
 
 
-def _train(dp_rank, dp_size, full_sd, use_distributed_optimizer):
+def _train(dp_rank, dp_size, full_sd, use_distributed_optimizer, overlap=False):
     import torch.distributed as dist
 
     from megatron_ppo.models.arch import tiny_arch
     from megatron_ppo.models.gpt import build_gpt_model
     from megatron_ppo.models.logprobs import next_token_targets, vocab_parallel_logprobs_entropy
-    from megatron_ppo.models.training import OptimizerSettings, build_optimizer, wrap_ddp
+    from megatron_ppo.models.training import OptimizerSettings, build_optimizer, sync_params, wrap_ddp
     from megatron_ppo.testing.sharding import gather_full_state_dict, load_full_state_dict
     from megatron_ppo.testing.training import train_step
 
     arch = tiny_arch()
     model = build_gpt_model(arch, "actor")
     load_full_state_dict(model, full_sd)
-    ddp = wrap_ddp(model, use_distributed_optimizer=use_distributed_optimizer)
+    ddp = wrap_ddp(model, use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=overlap,
+                   overlap_param_gather=overlap, bucket_size=20000 if overlap else None)
+    assert not overlap or len(ddp.bucket_groups) > 2  # several buckets, each reduced / gathered on its own
     opt = build_optimizer(ddp, OptimizerSettings(lr=3e-3, clip_grad=0.5,
                                                  use_distributed_optimizer=use_distributed_optimizer))
     losses, norms = [], []
@@ -55,16 +59,17 @@ def _train(dp_rank, dp_size, full_sd, use_distributed_optimizer):
             dist.all_reduce(total)
         losses.append((total / n_tokens).item())
         norms.append(float(grad_norm))
+    sync_params(ddp)  # the last step's weights: with overlap_param_gather no forward has gathered them yet
     return {"losses": losses, "norms": norms, "weights": gather_full_state_dict(model)}
 
 
-def _job_dp2(rank, world, full_sd, use_distributed_optimizer):
+def _job_dp2(rank, world, full_sd, use_distributed_optimizer, overlap):
     from megatron_ppo import parallel
 
     parallel.initialize(tp=1, pp=1, seed=1)
     try:
         assert parallel.dp_size() == 2
-        return _train(parallel.dp_rank(), 2, full_sd, use_distributed_optimizer)
+        return _train(parallel.dp_rank(), 2, full_sd, use_distributed_optimizer, overlap)
     finally:
         parallel.destroy(destroy_process_group=False)
 
@@ -86,11 +91,11 @@ def dp1_reference():
         disable_cpu_platform()
 
 
-@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
-def test_dp2_matches_dp1_grad_accumulation(dist_pool2, dp1_reference, use_distributed_optimizer):
+@pytest.mark.parametrize("use_distributed_optimizer,overlap", [(False, False), (True, False), (True, True)])
+def test_dp2_matches_dp1_grad_accumulation(dist_pool2, dp1_reference, use_distributed_optimizer, overlap):
     full_sd, ref = dp1_reference
     assert ref["losses"][-1] < ref["losses"][0]  # training does lower the loss
-    for rank, r in enumerate(dist_pool2.run(_job_dp2, full_sd, use_distributed_optimizer)):
+    for rank, r in enumerate(dist_pool2.run(_job_dp2, full_sd, use_distributed_optimizer, overlap)):
         for step, (a, b) in enumerate(zip(ref["losses"], r["losses"])):
             assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank} step {step}: loss {b} vs DP1 {a}"
         for step, (a, b) in enumerate(zip(ref["norms"], r["norms"])):
