@@ -28,22 +28,21 @@ PHASES = ("reward", "old_log_prob", "adv", "update_critic", "update_actor")
 def run_steps(layers: int, steps: int, out_dir: str, sites: bool) -> dict:
     """``steps`` PPO steps of configs/tiny_cpu.yaml at ``layers`` layers; host reads of the last one by phase."""
     from megatron_ppo.config import load_config, to_yaml
-    from megatron_ppo.testing.host_reads import HostReadCounter
+    from megatron_ppo.testing.host_reads import WorkerCalls
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.ppo import PPOTrainer
     from megatron_ppo.trainer.tracking import claim_log_dir
 
     over = ["cluster.launcher=local", "cluster.n_gpus_per_node=1", "cluster.actor.tensor_model_parallel_size=1",
-            "cluster.ref.tensor_model_parallel_size=1", f"actor.model.arch.num_layers={layers}", f"trainer.total_training_steps={steps}",
-            "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[jsonl]", f"trainer.log_dir={out_dir}/logs",
-            "trainer.overwrite=true", f"trainer.default_local_dir={out_dir}/ckpt"]
+            "cluster.ref.tensor_model_parallel_size=1", f"actor.model.arch.num_layers={layers}",
+            f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=-1",
+            "trainer.logger=[jsonl]", f"trainer.log_dir={out_dir}/logs", "trainer.overwrite=true",
+            f"trainer.default_local_dir={out_dir}/ckpt"]
     cfg = load_config("tiny_cpu", over)
     claim_log_dir(cfg.trainer, to_yaml(cfg))
-    from megatron_ppo.workers.megatron_worker import MegatronWorker
-
-    counter = HostReadCounter(where=sites, start_paused=True)
+    calls = WorkerCalls(where=sites)
+    counter = calls.counter
     per_phase: dict[str, int] = {}
-    micro_batches = [0]
 
     class CountingTrainer(PPOTrainer):
         def next_rollout(self):
@@ -59,33 +58,22 @@ def run_steps(layers: int, steps: int, out_dir: str, sites: bool) -> dict:
                 per_phase[name] = per_phase.get(name, 0) + counter.total - before
         return run
 
-    def device_side(method):  # a worker's calls on its device: micro-batches moved in, results moved out
-        def run(self, micro, *args, **kwargs):
-            micro_batches[0] += len(micro)
-            with counter.resumed():
-                return method(self, micro, *args, **kwargs)
-        return run
-
+    methods = {"reward": "score", "old_log_prob": "evaluate", "adv": "compute_advantages"}
     parts = build_components(cfg)
-    saved = MegatronWorker.forward, MegatronWorker.train_step
-    MegatronWorker.forward, MegatronWorker.train_step = device_side(saved[0]), device_side(saved[1])
     try:
         trainer = CountingTrainer(cfg, parts)
         for name in PHASES:
-            setattr(trainer, {"reward": "score", "old_log_prob": "evaluate", "adv": "compute_advantages"}.get(
-                name, name), phase(name, getattr(trainer, {"reward": "score", "old_log_prob": "evaluate",
-                                                           "adv": "compute_advantages"}.get(name, name))))
-        trainer.fit(steps - 1)  # warm-up steps (first-call paths: allocator, caches)
-        per_phase.clear()
-        counter.by_name.clear()
-        counter.sites.clear()
-        micro_batches[0] = 0
-        with counter:
+            attr = methods.get(name, name)
+            setattr(trainer, attr, phase(name, getattr(trainer, attr)))
+        with calls:
+            trainer.fit(steps - 1)  # warm-up steps (first-call paths: allocator, caches)
+            per_phase.clear()
+            calls.reset()
             trainer.fit(steps)
     finally:
-        MegatronWorker.forward, MegatronWorker.train_step = saved
         parts.close()
-    return {"layers": layers, "total": counter.total, "micro_batches": micro_batches[0], "by_name": dict(counter.by_name), "phases": per_phase,
+    return {"layers": layers, "total": counter.total, "micro_batches": calls.totals()["micro_batches"],
+            "by_name": dict(counter.by_name), "phases": per_phase,
             "sites": dict(sorted(counter.sites.items(), key=lambda kv: -kv[1])[:25]) if sites else {}}
 
 

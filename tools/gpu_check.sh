@@ -27,7 +27,10 @@
 #   7 sanitizer  compute-sanitizer memcheck and racecheck on tools/gpu_sanitize_kernels.py (every kernel once)
 #   8 nccl       tools/gpu_nccl_world.py: an NCCL world of 2 processes on the one GPU (or NCCL's refusal, recorded)
 #   9 ppo_step   megatron_ppo/testing/gpu_step.py: bf16 PPO steps of a 0.5 B Qwen2-shaped model, actor + critic +
-#                ref through the real workers in one process (launcher=local, device=cuda): step time, tokens/s, MFU
+#                ref through the real workers in one process (launcher=local, device=cuda), 128 prompts x 256, every
+#                role's micro-batches by a 16k-token budget: step time, tokens/s, MFU (the actor update's: issue 47's
+#                goal), host reads per micro-batch, each role's peak memory; then, if 100 s of the stage are left, the
+#                same at the 1.5 B shape (--arch qwen2-1.5b, 2 steps; into ppo_step.json's "qwen2-1.5b")
 #  10 bench      tools/bench_kernels.py --device cuda
 #  11 vllm       rollout.name=vllm vs megatron: the same PPO step (gpu_step --engine) at 256 prompts x 512 tokens,
 #                generation tokens/s of each (issue 25's goal: vLLM >= 3x ours); skipped when the image has no
@@ -62,7 +65,7 @@ STAGES=(env deps build decode parity models sanitizer nccl ppo_step bench vllm)
 # stage gets at most what is left of the 480 s (minus RESERVE_S); expected on an H200 about 400 s in all (build ~60-90,
 # decode ~70, parity ~60, models ~30, sanitizer ~50, nccl ~15, ppo_step ~70, bench ~40).
 declare -A BUDGET=([env]=30 [deps]=40 [build]=180 [decode]=90 [parity]=100 [models]=75 [sanitizer]=100 [nccl]=45
-                   [ppo_step]=150 [bench]=75 [vllm]=360)
+                   [ppo_step]=240 [bench]=75 [vllm]=360)
 declare -A WHAT=(
   [env]="environment report"
   [deps]="megatron-core from the carried wheels"
@@ -72,7 +75,7 @@ declare -A WHAT=(
   [models]="tests/integration/test_models_gpu.py (TE vs local spec, varlen THD, generation, a bf16 step after an HF load)"
   [sanitizer]="compute-sanitizer memcheck + racecheck on every kernel"
   [nccl]="NCCL world of 2 processes on the one GPU"
-  [ppo_step]="bf16 PPO steps, 0.5 B model, actor + critic + ref in one process: step time, tokens/s, MFU"
+  [ppo_step]="bf16 PPO steps, 0.5 B (then 1.5 B) model, actor + critic + ref in one process: MFU, host reads"
   [bench]="tools/bench_kernels.py --device cuda"
   [vllm]="generation tokens/s, rollout.name=vllm vs megatron, 0.5 B model, 256 x 512"
 )
@@ -302,12 +305,24 @@ stage_nccl() {
 stage_ppo_step() {
   if [ "$DRY" = 1 ]; then
     "$PY" -m megatron_ppo.testing.gpu_step --dry-run --out "$WORK/ppo_step_dry.json" || fail "gpu_step config"
+    "$PY" -m megatron_ppo.testing.gpu_step --dry-run --arch qwen2-1.5b > /dev/null || fail "gpu_step 1.5 B config"
     skip "no GPU (config built and validated, parameter count checked)"
   fi
   need deps "megatron-core not importable"
+  local s0=$SECONDS
   # shellcheck disable=SC2086 # GPU_CHECK_PPO_ARGS is a list of arguments
   "$PY" -m megatron_ppo.testing.gpu_step --out "$RESULTS/ppo_step.json" --workdir "$WORK/ppo" \
     ${GPU_CHECK_PPO_ARGS:-} || fail "PPO step"
+  local left=$(( ${GPU_CHECK_STAGE_BUDGET:-240} - (SECONDS - s0) ))
+  [ "$left" -ge 100 ] || { echo "1.5 B case left out: ${left}s of the stage left"; return 0; }
+  timeout -k 5 $((left - 5)) "$PY" -m megatron_ppo.testing.gpu_step --arch qwen2-1.5b --steps 2 \
+    --out "$WORK/ppo_1p5b.json" --workdir "$WORK/ppo_1p5b" || { echo "1.5 B case did not finish"; return 0; }
+  "$PY" - "$RESULTS/ppo_step.json" "$WORK/ppo_1p5b.json" <<'PYEOF' || echo "(1.5 B result not merged)"
+import json, sys
+main, extra = (json.load(open(p)) for p in sys.argv[1:3])
+main["qwen2-1.5b"] = extra
+json.dump(main, open(sys.argv[1], "w"), indent=1, default=str)
+PYEOF
 }
 
 stage_bench() {

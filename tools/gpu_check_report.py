@@ -135,10 +135,12 @@ def ppo_lines(p: dict) -> list[str]:
         return [f"Dry run only: {p.get('arch')} with {p.get('actor_params', 0):,} parameters, roles "
                 f"{p.get('roles')}, launcher={p.get('launcher')}, device={p.get('device')}."]
     t = p.get("timing_s", {})
-    return [
+    micro = (f"micro-batches by a {p['micro_tokens']}-token budget" if p.get("micro_tokens")
+             else f"micro-batch {p['micro_batch']}")
+    lines = [
         f"{p['arch']} ({p['actor_params']:,} parameters; critic {p['critic_params']:,}), {p['dtype']}, "
         f"{p['transformer_impl']} spec, ops backend {p['ops_backend']}, on {p['device']} (torch {p['torch']}); "
-        f"{p['batch']} prompts x {p['response_length']} response tokens per step, micro-batch {p['micro_batch']}, "
+        f"{p['batch']} prompts x {p['response_length']} response tokens per step, {micro}, "
         f"{p['steps']} steps, medians of the last {p['steps_measured']} (first step excluded as warm-up). Model "
         f"build {p['build_s']:.1f} s; peak GPU memory allocated {p.get('max_memory_allocated_gib') or 0:.1f} GiB.",
         "",
@@ -156,6 +158,22 @@ def ppo_lines(p: dict) -> list[str]:
         "(generation included); 'actor update' the same over the actor's update phase; 'all passes' counts every "
         "forward (2 N per token) and backward (4 N) of every role in the step. Attention score FLOPs are left out.",
     ]
+    calls = p.get("worker_calls")
+    if calls:
+        roles = calls.get("by_role", {})
+        peaks, transient = calls.get("peak_gib_by_role", {}), calls.get("transient_gib_by_role", {})
+        lines += ["", "| role | micro-batches | host reads | peak GiB in its calls | transient GiB |",
+                  "|---|---:|---:|---:|---:|"]
+        for role, c in roles.items():
+            lines.append(f"| {role} | {c['micro_batches']} | {c['reads']} | {peaks.get(role, 0):.1f} | "
+                         f"{transient.get(role, 0):.1f} |")
+        lines += ["", f"Host reads in the workers' device-side calls (testing/host_reads.py, the measured steps): "
+                      f"{calls['reads_per_micro_batch'] or 0:.1f} per micro-batch (issue 47's budget: 8). Peaks "
+                      "are the process's (every role's resident state is in it: launcher=local); transient is a "
+                      "call's peak minus what was allocated when it began."]
+    if p.get("qwen2-1.5b"):
+        lines += ["", "### The 1.5 B shape", ""] + ppo_lines(p["qwen2-1.5b"])
+    return lines
 
 
 def summary_markdown(r: dict) -> str:

@@ -34,10 +34,15 @@ QWEN2_0P5B = dict(num_layers=24, hidden_size=896, ffn_hidden_size=4864, num_atte
                   vocab_size=151936, max_position_embeddings=4096, rotary_base=1000000.0, norm_epsilon=1e-6,
                   add_qkv_bias=True, tie_word_embeddings=True)
 QWEN2_0P5B_PARAMS = 494_032_768  # the published parameter count of Qwen2.5-0.5B (tied embedding once)
+# Qwen2.5-1.5B's shape (HF config.json): 28 layers, hidden 1536, GQA 12/2, SwiGLU 8960, QKV bias, tied embeddings.
+QWEN2_1P5B = dict(num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12, num_query_groups=2,
+                  vocab_size=151936, max_position_embeddings=4096, rotary_base=1000000.0, norm_epsilon=1e-6,
+                  add_qkv_bias=True, tie_word_embeddings=True)
 # A small stand-in with the same vocabulary, for the CPU rehearsal of this module (tests, --arch tiny).
 TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
             vocab_size=151936, max_position_embeddings=1024, tie_word_embeddings=True)
-ARCHES = {"qwen2-0.5b": QWEN2_0P5B, "tiny": TINY}
+ARCHES = {"qwen2-0.5b": QWEN2_0P5B, "qwen2-1.5b": QWEN2_1P5B, "tiny": TINY}
+MICRO_TOKENS = 16384  # the actor update's token budget per micro-batch (issue 47's MFU goal is stated at 16k)
 H200_BF16_PEAK_FLOPS = 989e12  # dense bf16, NVIDIA's H100/H200 SXM datasheet (with sparsity it would be 1979)
 
 
@@ -134,9 +139,10 @@ def prepare_inputs(workdir: str | Path, vocab_size: int, seed: int = 0) -> tuple
 
 def overrides(workdir: str | Path, *, arch_name: str = "qwen2-0.5b", device: str = "cuda", steps: int = 3,
               batch: int = 64, response_length: int = 256, micro_batch: int = 16, dtype: str = "bfloat16",
-              engine: str = "megatron") -> list[str]:
+              engine: str = "megatron", micro_tokens: int = 0) -> list[str]:
     """Dotted overrides of configs/tiny_cpu.yaml: the arch, bf16 for every role, one in-process rank per role, the
-    rollout engine (vllm: the vLLM of this interpreter, as a GPU image has it)."""
+    rollout engine (vllm: the vLLM of this interpreter, as a GPU image has it). ``micro_tokens`` > 0: every role's
+    micro-batches by that token budget (use_dynamic_bsz) instead of ``micro_batch`` sequences."""
     wd = Path(workdir)
     values = {
         "data.preprocess.output_dir": wd / "data", "data.preprocess.build_tokenizer": "false",
@@ -160,6 +166,12 @@ def overrides(workdir: str | Path, *, arch_name: str = "qwen2-0.5b", device: str
     }
     if engine == "vllm":
         values.update({"rollout.vllm.python": sys.executable, "rollout.vllm.weights_dir": wd / "vllm_weights"})
+    if micro_tokens > 0:
+        for role in ("actor", "critic"):
+            values.update({f"{role}.use_dynamic_bsz": "true", f"{role}.ppo_max_token_len_per_gpu": micro_tokens})
+        for prefix in ("ref", "rollout"):
+            values.update({f"{prefix}.log_prob_use_dynamic_bsz": "true",
+                           f"{prefix}.log_prob_max_token_len_per_gpu": micro_tokens})
     return [f"{k}={v}" for k, v in values.items()]
 
 
@@ -201,13 +213,15 @@ def summarize(history: list[dict], actor_params: int, critic_params: int, cfg, p
 
 def run(workdir: str | Path, *, arch_name: str = "qwen2-0.5b", device: str = "cuda", steps: int = 3,
         batch: int = 64, response_length: int = 256, micro_batch: int = 16, peak: float = H200_BF16_PEAK_FLOPS,
-        dtype: str = "bfloat16", engine: str = "megatron") -> dict:
+        dtype: str = "bfloat16", engine: str = "megatron", micro_tokens: int = 0) -> dict:
     """Build the components from the config and run ``steps`` PPO steps through PPOTrainer.fit; returns the
-    results (see summarize) with the per-step metrics."""
+    results (see summarize) with the per-step metrics, and from the measured steps the host reads per micro-batch
+    and each role's peak GPU memory in its own calls (testing/host_reads.WorkerCalls)."""
     import torch
 
     from megatron_ppo import ops
     from megatron_ppo.models.spec import resolve_transformer_impl
+    from megatron_ppo.testing.host_reads import WorkerCalls
     from megatron_ppo.trainer.components import build_components
     from megatron_ppo.trainer.preflight import check_device
     from megatron_ppo.trainer.ppo import PPOTrainer
@@ -216,13 +230,19 @@ def run(workdir: str | Path, *, arch_name: str = "qwen2-0.5b", device: str = "cu
     t0 = time.perf_counter()
     prepare_inputs(workdir, model_arch.vocab_size)
     cfg = build_config(workdir, arch_name=arch_name, device=device, steps=steps, batch=batch,
-                       response_length=response_length, micro_batch=micro_batch, dtype=dtype, engine=engine)
+                       response_length=response_length, micro_batch=micro_batch, dtype=dtype, engine=engine,
+                       micro_tokens=micro_tokens)
     check_device(cfg, torch.cuda.is_available())
     t_inputs = time.perf_counter() - t0
     parts = build_components(cfg)
     t_build = time.perf_counter() - t0 - t_inputs
+    calls = WorkerCalls()
     try:
-        history = PPOTrainer(cfg, parts).fit(steps)
+        trainer = PPOTrainer(cfg, parts)
+        with calls:
+            history = trainer.fit(1)  # warm-up (excluded from the medians too)
+            calls.reset()
+            history += trainer.fit(steps)
     finally:
         parts.close()
     actor_n, critic_n = params(model_arch, "actor"), params(model_arch, "critic")
@@ -237,7 +257,8 @@ def run(workdir: str | Path, *, arch_name: str = "qwen2-0.5b", device: str = "cu
         "transformer_impl": resolve_transformer_impl("auto", torch_dtype),
         "ops_backend": ops.backend("cuda" if on_cuda else "cpu"),
         "torch": torch.__version__, "engine": engine, "batch": batch, "response_length": response_length,
-        "micro_batch": micro_batch,
+        "micro_batch": micro_batch, "micro_tokens": micro_tokens, "worker_calls": calls.totals(),
+        "host_reads_by_call": dict(calls.counter.by_name),
         "steps": steps, "inputs_s": t_inputs, "build_s": t_build,
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None,
         "history": [{k: v for k, v in h.items() if k.startswith(keep)} for h in history],
@@ -256,7 +277,8 @@ def describe(result: dict) -> str:
             f"{result['tokens_per_s']:.0f} tokens/s (generation, {result['engine']} engine: "
             f"{result['gen_tokens_per_s']:.0f} tokens/s); MFU (6*N*tokens/step) {result['mfu_6nt_step']:.2%}, "
             f"actor update {result['mfu_actor_update']:.2%}, all passes {result['mfu_all_passes_step']:.2%} "
-            f"of {result['peak_flops'] / 1e12:.0f} TFLOP/s")
+            f"of {result['peak_flops'] / 1e12:.0f} TFLOP/s; host reads per micro-batch "
+            f"{result['worker_calls']['reads_per_micro_batch'] or 0:.1f}")
 
 
 def dry_run(args) -> dict:
@@ -264,7 +286,8 @@ def dry_run(args) -> dict:
     model_arch = arch(args.arch)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = build_config(tmp, arch_name=args.arch, device=args.device, steps=args.steps, batch=args.batch,
-                           response_length=args.response_length, micro_batch=args.micro_batch, engine=args.engine)
+                           response_length=args.response_length, micro_batch=args.micro_batch, engine=args.engine,
+                           micro_tokens=args.micro_tokens)
     n = params(model_arch)
     tokens = args.batch * (40 + args.response_length)  # ~40 prompt tokens per arithmetic prompt
     out = {"arch": args.arch, "engine": cfg.rollout.name, "actor_params": n,
@@ -286,9 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", choices=sorted(ARCHES), default="qwen2-0.5b")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--steps", type=int, default=3, help="PPO steps (the first is excluded from the medians)")
-    p.add_argument("--batch", type=int, default=64, help="prompts per step (rollout.n = 1)")
+    p.add_argument("--batch", type=int, default=128, help="prompts per step (rollout.n = 1)")
     p.add_argument("--response-length", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences per micro-batch when --micro-tokens is 0")
+    p.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS,
+                   help="token budget per micro-batch, every role (use_dynamic_bsz); 0: --micro-batch sequences")
     p.add_argument("--engine", choices=["megatron", "vllm"], default="megatron", help="rollout.name")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_FLOPS / 1e12)
     p.add_argument("--workdir", help="inputs and run logs (default: a temporary directory)")
@@ -303,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(workdir, arch_name=args.arch, device=args.device, steps=args.steps, batch=args.batch,
                      response_length=args.response_length, micro_batch=args.micro_batch,
                      peak=args.peak_tflops * 1e12, dtype="bfloat16" if args.device == "cuda" else "float32",
-                     engine=args.engine)
+                     engine=args.engine, micro_tokens=args.micro_tokens)
         print(describe(result), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

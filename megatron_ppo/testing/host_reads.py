@@ -107,3 +107,75 @@ def _site() -> str:
             continue
         return f"{path.split('site-packages/')[-1].split('/work/main/')[-1]}:{frame.lineno}"
     return "?"
+
+
+class WorkerCalls:
+    """Counts, per role, the host reads inside every ``MegatronWorker.forward`` / ``train_step`` (the device-side
+    calls: micro-batches on the model's device, losses, metrics, the optimizer step), the micro-batches they ran and,
+    on CUDA, each role's peak allocated memory within its calls. Patches the class while active; generation and the
+    driver's bookkeeping on CPU tensors are outside. ``counting`` False: memory only."""
+
+    def __init__(self, counting: bool = True, where: bool = False):
+        self.counter = HostReadCounter(where=where, start_paused=True)
+        self.counting = counting
+        self.reads: dict[str, int] = {}
+        self.micro_batches: dict[str, int] = {}
+        self.peak_bytes: dict[str, int] = {}
+        self.transient_bytes: dict[str, int] = {}  # peak in a call minus what was allocated when it began
+        self._saved = None
+
+    def totals(self) -> dict:
+        reads, micro = sum(self.reads.values()), sum(self.micro_batches.values())
+        return {"reads": reads, "micro_batches": micro, "reads_per_micro_batch": reads / micro if micro else None,
+                "by_role": {r: {"reads": self.reads.get(r, 0), "micro_batches": n} for r, n in
+                            self.micro_batches.items()},
+                "peak_gib_by_role": {r: b / 2**30 for r, b in self.peak_bytes.items()},
+                "transient_gib_by_role": {r: b / 2**30 for r, b in self.transient_bytes.items()}}
+
+    def reset(self) -> None:
+        self.reads.clear()
+        self.micro_batches.clear()
+        self.peak_bytes.clear()
+        self.transient_bytes.clear()
+        self.counter.by_name.clear()
+        self.counter.sites.clear()
+
+    def _wrap(self, method):
+        calls = self
+
+        def run(worker, micro_batches, *args, **kwargs):
+            cuda = torch.cuda.is_available() and getattr(worker, "device", None) is not None and \
+                worker.device.type == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(worker.device)
+                allocated = torch.cuda.memory_allocated(worker.device)
+            before = calls.counter.total
+            try:
+                if calls.counting:
+                    with calls.counter.resumed():
+                        return method(worker, micro_batches, *args, **kwargs)
+                return method(worker, micro_batches, *args, **kwargs)
+            finally:
+                role = worker.role
+                calls.reads[role] = calls.reads.get(role, 0) + calls.counter.total - before
+                calls.micro_batches[role] = calls.micro_batches.get(role, 0) + len(micro_batches)
+                if cuda:
+                    peak = torch.cuda.max_memory_allocated(worker.device)
+                    calls.peak_bytes[role] = max(calls.peak_bytes.get(role, 0), peak)
+                    calls.transient_bytes[role] = max(calls.transient_bytes.get(role, 0), peak - allocated)
+        return run
+
+    def __enter__(self):
+        from megatron_ppo.workers.megatron_worker import MegatronWorker
+
+        self._saved = MegatronWorker.forward, MegatronWorker.train_step
+        MegatronWorker.forward, MegatronWorker.train_step = self._wrap(self._saved[0]), self._wrap(self._saved[1])
+        self.counter.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        from megatron_ppo.workers.megatron_worker import MegatronWorker
+
+        self.counter.__exit__(*exc)
+        MegatronWorker.forward, MegatronWorker.train_step = self._saved
+        return False

@@ -182,7 +182,7 @@ def test_ppo_step_rehearsal_on_cpu(tmp_path):
 
     try:
         result = gpu_step.run(tmp_path, arch_name="tiny", device="cpu", steps=2, batch=4, response_length=8,
-                              micro_batch=2, dtype="float32")
+                              micro_batch=2, dtype="float32", micro_tokens=160)
     finally:
         disable_cpu_platform()  # later tests in this process run without the CUDA->CPU remap
     assert result["steps_measured"] == 1 and result["warmup_steps_excluded"] == 1
@@ -190,6 +190,9 @@ def test_ppo_step_rehearsal_on_cpu(tmp_path):
     assert result["mfu_6nt_step"] == pytest.approx(gpu_step.mfu(result["actor_params"], result["tokens_per_step"],
                                                                 result["step_s"]))
     assert {"gen", "old_log_prob", "update_critic", "update_actor"} <= set(result["timing_s"])
+    calls = result["worker_calls"]  # the measured step's device-side calls, every role, by a 160-token budget
+    assert set(calls["by_role"]) == {"actor", "critic", "ref"} and calls["micro_batches"] >= 3
+    assert 0 < calls["reads_per_micro_batch"] <= 8, (calls, result["host_reads_by_call"])
 
 
 def nccl_tool():
