@@ -94,20 +94,23 @@ def block_causal_keep_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor
 
 
 def sdpa(q, k, v, keep=None, is_causal=False, scale=None, dropout_p=0.0):
-    """SDPA on [b, heads, s, d] with GQA and NaN-free fully-masked rows (their output is 0)."""
+    """SDPA on [b, heads, s, d] with GQA and NaN-free fully-masked rows (their output is 0), reading nothing back.
+
+    With a mask on a GPU, K/V heads are repeated instead of ``enable_gqa``: torch runs GQA only on its flash kernel
+    (which takes no mask) and its math kernel (fp32 [b, heads, s, s] intermediates); repeated heads keep the
+    memory-efficient kernel."""
     enable_gqa = q.size(-3) != k.size(-3)
     if keep is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                                               enable_gqa=enable_gqa)
+    if enable_gqa and q.is_cuda:
+        repeat = q.size(-3) // k.size(-3)
+        k, v, enable_gqa = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3), False
     empty_rows = ~keep.any(dim=-1, keepdim=True)  # [..., sq, 1]
-    has_empty = bool(empty_rows.any())
-    if has_empty:
-        keep = keep | empty_rows  # any finite softmax; the rows are zeroed below
+    keep = keep | empty_rows  # any finite softmax; the rows are zeroed below (no host read to ask whether any are)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, dropout_p=dropout_p,
                                          enable_gqa=enable_gqa)
-    if has_empty:
-        out = out.masked_fill(empty_rows, 0.0)
-    return out
+    return out.masked_fill(empty_rows, 0.0)
 
 
 class SDPACoreAttention(MegatronModule):

@@ -29,7 +29,7 @@ def _padded(seqs):
     return ids, valid
 
 
-@pytest.mark.parametrize("strategy", ["varlen", "per_sequence", "block_mask"])
+@pytest.mark.parametrize("strategy", ["varlen", "padded", "per_sequence", "block_mask"])
 def test_sdpa_spec_packed_equals_padded_bf16(megatron_single, strategy):
     from megatron_ppo.models.attention import SDPACoreAttention, _varlen_attn
     from megatron_ppo.models.forward import model_forward, pack_sequences
@@ -46,10 +46,33 @@ def test_sdpa_spec_packed_equals_padded_bf16(megatron_single, strategy):
     ids, valid = _padded(seqs)
     packed, cu = pack_sequences(seqs)
     a = model_forward(model, {"input_ids": ids})[valid].float()
-    b = model_forward(model, {"input_ids": packed, "cu_seqlens": cu.cuda()})[0].float()
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fused = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])  # padded: never math
+    with fused if strategy == "padded" else nullcontext():
+        b = model_forward(model, {"input_ids": packed, "cu_seqlens": cu.cuda()})[0].float()
     assert (a - b).abs().max().item() < BF16_TOL
     b.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_masked_gqa_and_padded_thd_never_take_the_math_kernel(megatron_single):
+    """Issue 47: a mask with GQA (padded rows) and the padded THD strategy run with SDPA's math kernel disabled
+    (it would hold fp32 [b, heads, s, s]), and give what the CPU computes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_ppo.models.attention import sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 48, 64, generator=g) for h in (8, 2, 2))
+    keep = torch.ones(2, 1, 48, 48, dtype=torch.bool).tril()
+    keep[1, :, :, 40:] = False  # a padded row
+    want = sdpa(q, k, v, keep=keep)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        got = sdpa(*(x.cuda().bfloat16() for x in (q, k, v)), keep=keep.cuda())
+    torch.testing.assert_close(got.float().cpu(), want, atol=BF16_TOL, rtol=0)
 
 
 def test_transformer_engine_spec_matches_local_spec(megatron_single):
