@@ -1,7 +1,10 @@
 """Host reads outside generation: per PPO step of the tiny default, by phase and by depth (2 vs 4 layers), and per
 packed micro-batch (forward, or forward + backward).
 
-    python tools/bench_host_reads.py --out docs/bench/host_reads.md
+    python tools/bench_host_reads.py --out docs/bench/host_reads.md [--baseline before.json --baseline-label X]
+
+(``before.json``: ``--json`` of the same script run in another checkout, e.g. the commit before a change, with
+``PYTHONPATH`` set to that checkout.)
 
 A host read (``megatron_ppo.testing.host_reads``: ``item``, ``tolist``, ``bool(t)``, ``torch.equal``, boolean-mask
 indexing, ...) is free on a CPU and drains the stream on a GPU. Counted in-process (``cluster.launcher=local``, one
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -77,7 +81,7 @@ def run_steps(layers: int, steps: int, out_dir: str, sites: bool) -> dict:
             "sites": dict(sorted(counter.sites.items(), key=lambda kv: -kv[1])[:25]) if sites else {}}
 
 
-def render(rows: list[dict], command: str) -> str:
+def render(rows: list[dict], command: str, baseline: list[dict] = (), baseline_label: str = "") -> str:
     lines = ["# Host reads outside generation (issue 47)", "",
              "One PPO step of the tiny default (configs/tiny_cpu.yaml, in-process ranks: TP = PP = DP = 1 per "
              "role) after a warm-up step, counted by `megatron_ppo.testing.host_reads.HostReadCounter` inside the "
@@ -86,20 +90,27 @@ def render(rows: list[dict], command: str) -> str:
              "read is a call after which the host holds a device value (`item`, `tolist`, `bool(t)`, `int(t)`, "
              "`torch.equal`, boolean indexing, ...): a stream drain on a GPU. torch.optim's CPU step counters are "
              "not counted.", "",
-             f"Command: `{command}`", "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
-             f"{platform.python_version()}.", "",
-             "| layers | total | micro-batches | per micro-batch | " + " | ".join(PHASES) + " | by call |",
-             "|---|---|---|---|" + "---|" * len(PHASES) + "---|"]
-    for r in rows:
+             f"Command: `{command}`", ""]
+    if baseline:
+        lines += [f"Baseline rows: this script's `--json` run in a checkout of {baseline_label} (`git worktree add`, "
+                  "`PYTHONPATH=<checkout>`; `megatron_ppo/testing/host_reads.py` and this script copied in), "
+                  "passed as `--baseline`.", ""]
+    lines += [f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
+              f"{platform.python_version()}.", "",
+              "| code | layers | total | micro-batches | per micro-batch | " + " | ".join(PHASES) + " | by call |",
+              "|---|---|---|---|---|" + "---|" * len(PHASES) + "---|"]
+    for label, r in [(baseline_label, b) for b in baseline] + [("this tree", r) for r in rows]:
         calls = ", ".join(f"{k} {v}" for k, v in sorted(r["by_name"].items(), key=lambda kv: -kv[1]))
         per = r["total"] / max(r["micro_batches"], 1)
-        lines.append(f"| {r['layers']} | {r['total']} | {r['micro_batches']} | {per:.1f} | " + " | ".join(str(r["phases"].get(p, 0)) for p in PHASES)
+        lines.append(f"| {label} | {r['layers']} | {r['total']} | {r['micro_batches']} | {per:.1f} | " + " | ".join(str(r["phases"].get(p, 0)) for p in PHASES)
                      + f" | {calls} |")
     if len(rows) >= 2:
         a, b = rows[0], rows[-1]
         growth = (b["total"] - a["total"]) / (b["layers"] - a["layers"])
         lines += ["", f"Growth with depth: {growth:+.1f} host reads per added layer per step."]
+    if len(baseline) >= 2:
+        a, b = baseline[0], baseline[-1]
+        lines += [f"{baseline_label}: {(b['total'] - a['total']) / (b['layers'] - a['layers']):+.1f} per added layer."]
     return "\n".join(lines) + "\n"
 
 
@@ -110,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sites", action="store_true", help="print the 25 lines that read most")
     ap.add_argument("--out", help="write the markdown table here")
     ap.add_argument("--json", help="write the raw counts here")
+    ap.add_argument("--baseline", help="a --json of another tree's run, shown above this one's rows")
+    ap.add_argument("--baseline-label", default="baseline", help="what the baseline rows are (e.g. a commit)")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(dir=REPO / "outputs" if (REPO / "outputs").is_dir() else None) as tmp:
@@ -119,8 +132,9 @@ def main(argv=None) -> int:
                 print(f"-- {layers} layers: {rows[-1]['total']} reads", file=sys.stderr)
                 for site, n in rows[-1]["sites"].items():
                     print(f"{n:6d}  {site}", file=sys.stderr)
-    command = "python tools/bench_host_reads.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = render(rows, command.strip())
+    command = "python tools/bench_host_reads.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else []
+    text = render(rows, command.strip(), baseline, args.baseline_label)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
