@@ -9,5 +9,6 @@ models.
   pipeline.py  hf_to_mcore / mcore_to_hf: the two directions, orchestrated
   verify.py    logits of the converted Megatron model against the HF model's
   cli.py       the command line
-  hf_import.py a run's roles started from an HF model: converted once in the driver, cached, loaded in the ranks
+  hf_slices.py a rank's slices of an HF checkpoint: what it reads (row_segments), read into its parameters in place
+  hf_import.py a run's roles started from an HF model: headers checked in the driver, slices read by each rank
 """

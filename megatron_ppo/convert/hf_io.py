@@ -1,4 +1,5 @@
-"""The HF side of conversion: read a checkpoint's tensors on demand, write sharded safetensors, copy config files.
+"""The HF side of conversion: read a checkpoint's tensors (or a rank's slices of them) on demand, check its
+inventory against the config, write sharded safetensors, copy config files.
 
 Reading never unpickles: safetensors via ``safe_open`` (headers first, tensors one at a time, memory-mapped), and
 legacy ``pytorch_model*.bin`` only through ``torch.load(weights_only=True, mmap=True)``.
@@ -16,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_ppo.convert.mapping import ConversionError
+from megatron_ppo.convert.mapping import HF_EMBED, ConversionError, classify_hf_names, hf_tensor_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class HFCheckpoint:
             raise ConversionError(f"--hf {hf_dir}: not a directory")
         self.dir = hf_dir
         self.entries: dict[str, TensorEntry] = {}
+        self.bytes_read = 0  # by read_slice: what a rank's import read
+        self._bin: tuple[str, dict] | None = None  # read_slice's memory-mapped .bin file, one at a time
         files = sorted(os.listdir(hf_dir))
         st_files = [f for f in files if f.endswith(".safetensors")]
         bin_files = [f for f in files if f.startswith("pytorch_model") and f.endswith(".bin")]
@@ -147,6 +150,64 @@ class HFCheckpoint:
                 raise ConversionError(f"{self.entries[n].file}: {n!r} read as {tuple(t.shape)} {t.dtype}, "
                                       f"header says {e.shape} {e.dtype}")
         return out
+
+    def read_slice(self, name: str, rows: slice, cols: slice | None = None) -> torch.Tensor:
+        """Rows [rows.start, rows.stop) (and columns ``cols``) of one tensor, reading no more of it than that:
+        safetensors' ``get_slice(name)[...]``, or a slice of a memory-mapped .bin tensor. The file is opened for
+        this read only (a safetensors file); a .bin stays mapped until another file is read. Counted in
+        ``bytes_read``."""
+        e = self.entries[name]
+        index = (rows,) if cols is None else (rows, cols)
+        path = os.path.join(self.dir, e.file)
+        try:
+            if self.format == "safetensors":
+                with safe_open(path, framework="pt") as f:
+                    t = f.get_slice(name)[index]
+            else:
+                if self._bin is None or self._bin[0] != e.file:
+                    self._bin = None  # drop the previous file's mapping before mapping the next
+                    self._bin = (e.file, _load_bin(path))
+                t = self._bin[1][name][index]
+        except ConversionError:
+            raise
+        except Exception as ex:
+            raise ConversionError(f"{path}: reading rows {rows.start}:{rows.stop} of {name!r} failed ({ex})") from ex
+        want = [rows.stop - rows.start, *e.shape[1:]]
+        if cols is not None:
+            want[1] = len(range(*cols.indices(e.shape[1])))
+        if list(t.shape) != want or t.dtype != e.dtype:
+            raise ConversionError(f"{path}: rows {rows.start}:{rows.stop} of {name!r} read as {tuple(t.shape)} "
+                                  f"{t.dtype}, expected {tuple(want)} {e.dtype}")
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+def check_hf_inventory(arch, ck: HFCheckpoint) -> dict[str, list[str]]:
+    """Every expected tensor present with the right shape and a float dtype, nothing unknown: one error listing
+    all problems (headers only: nothing is read). Returns ``classify_hf_names``' classes."""
+    expected = hf_tensor_shapes(arch)
+    classes = classify_hf_names(arch, ck.entries)
+    problems = []
+    missing = [n for n in expected if n not in ck.entries]
+    if missing:
+        problems.append(f"missing tensors {_few(missing)}")
+    if classes["unknown"]:
+        problems.append(f"unknown tensors {_few(classes['unknown'])}")
+    for n in classes["expected"] + classes["tied_duplicate"]:
+        want = expected.get(n, expected[HF_EMBED])
+        got = ck.entries[n].shape
+        if got != want:
+            problems.append(f"tensor {n!r} in {ck.entries[n].file} has shape {got}, expected {want}")
+        if not ck.entries[n].dtype.is_floating_point:
+            problems.append(f"tensor {n!r} in {ck.entries[n].file} has non-float dtype {ck.entries[n].dtype}")
+    if problems:
+        raise ConversionError(f"--hf {ck.dir}: checkpoint does not match its config "
+                              f"({arch.extra.get('hf_model_type')}, {arch.num_layers} layers): " + "; ".join(problems))
+    return classes
+
+
+def _few(names: list[str], n: int = 10) -> str:
+    return f"{names[:n]}" + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
 def _load_bin(path: str) -> dict[str, torch.Tensor]:

@@ -471,6 +471,61 @@ def to_hf(m: TensorMap, tensor: torch.Tensor, arch: ModelArch) -> tuple[dict[str
     return dict(zip(m.hf_names, parts)), dropped
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Rows [dst, dst + stop - start) of a box of a Megatron tensor are rows [start, stop) of HF tensor ``hf_name``
+    (None: vocab padding rows, zeros). Columns map one to one."""
+
+    hf_name: str | None
+    start: int
+    stop: int
+    dst: int
+
+
+def row_segments(m: TensorMap, arch: ModelArch, r0: int, r1: int) -> list[Segment]:
+    """Where rows [r0, r1) of ``m``'s Megatron tensor (one layer's) come from: the reads of a rank whose shard is
+    those rows, in ``dst`` order. The inverse of ``to_mcore`` restricted to a row range, so a rank reads exactly
+    its own rows: a slice of q, k and v per query group it holds, its block of gate and of up, its vocab rows."""
+    if not 0 <= r0 <= r1:
+        raise ConversionError(f"{m.mcore_key}: bad row range [{r0}, {r1})")
+    if m.kind == "copy":
+        if r1 > m.shape[0]:
+            raise ConversionError(f"{m.mcore_key}: rows [{r0}, {r1}) exceed {m.shape[0]}")
+        return [Segment(m.hf_names[0], r0, r1, 0)] if r1 > r0 else []
+    if m.kind == "vocab":  # rows past the vocab are megatron's padding: zeros, read from nowhere
+        v = arch.vocab_size
+        out = [Segment(m.hf_names[0], r0, min(r1, v), 0)] if r0 < min(r1, v) else []
+        if r1 > max(r0, v):
+            out.append(Segment(None, max(r0, v), r1, max(r0, v) - r0))
+        return out
+    if m.kind == "gate_up":
+        f = arch.ffn_hidden_size
+        if r1 > 2 * f:
+            raise ConversionError(f"{m.mcore_key}: rows [{r0}, {r1}) exceed {2 * f}")
+        gate, up = m.hf_names
+        out = [Segment(gate, r0, min(r1, f), 0)] if r0 < min(r1, f) else []
+        if r1 > max(r0, f):
+            out.append(Segment(up, max(r0, f) - f, r1 - f, max(r0, f) - r0))
+        return out
+    if m.kind == "qkv":  # rows per query group g: [q heads of g, k_g, v_g] (fuse_qkv)
+        ng, hn = arch.num_query_groups, arch.head_dim
+        per = arch.num_attention_heads // ng
+        size = (per + 2) * hn
+        if r1 > ng * size:
+            raise ConversionError(f"{m.mcore_key}: rows [{r0}, {r1}) exceed {ng * size}")
+        q, k, v = m.hf_names
+        parts = ((q, 0, per * hn), (k, per * hn, hn), (v, (per + 1) * hn, hn))  # name, offset in group, rows
+        out = []
+        for g in range(r0 // size, -(-r1 // size)):
+            for name, off, n in parts:
+                lo, hi = max(r0, g * size + off), min(r1, g * size + off + n)
+                if lo < hi:
+                    start = g * n + lo - g * size - off
+                    out.append(Segment(name, start, start + hi - lo, lo - r0))
+        return out
+    raise AssertionError(m.kind)  # pragma: no cover - the map is built above
+
+
 def classify_hf_names(arch: ModelArch, names: Iterable[str]) -> dict[str, list[str]]:
     """Split checkpoint tensor names into expected / derived buffers (skipped) / tied duplicate / unknown."""
     expected = hf_tensor_shapes(arch)

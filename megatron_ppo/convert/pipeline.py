@@ -27,6 +27,7 @@ from megatron_ppo.compat import mcore as mcore_compat
 from megatron_ppo.convert.hf_io import (
     HFCheckpoint,
     ShardedSafetensorsWriter,
+    check_hf_inventory,
     copy_non_weight_files,
     parse_size,
     verify_written,
@@ -38,7 +39,6 @@ from megatron_ppo.convert.mapping import (
     HF_LM_HEAD,
     ConversionError,
     arch_from_hf_config,
-    classify_hf_names,
     conversion_pieces,
     hf_tensor_shapes,
     pp_layer_ranges,
@@ -100,34 +100,6 @@ def atomic_output_dir(final: str, overwrite: bool = False):
 # ----------------------------------------------------------------------------------------------------------------
 # HF -> Megatron
 # ----------------------------------------------------------------------------------------------------------------
-def _check_hf_inventory(arch, ck: HFCheckpoint) -> dict[str, list[str]]:
-    """Every expected tensor present with the right shape, nothing unknown: one error listing all problems."""
-    expected = hf_tensor_shapes(arch)
-    classes = classify_hf_names(arch, ck.entries)
-    problems = []
-    missing = [n for n in expected if n not in ck.entries]
-    if missing:
-        problems.append(f"missing tensors {_few(missing)}")
-    if classes["unknown"]:
-        unknown = classes["unknown"]
-        problems.append(f"unknown tensors {_few(unknown)}")
-    for n in classes["expected"] + classes["tied_duplicate"]:
-        want = expected.get(n, expected[HF_EMBED])
-        got = ck.entries[n].shape
-        if got != want:
-            problems.append(f"tensor {n!r} in {ck.entries[n].file} has shape {got}, expected {want}")
-        if not ck.entries[n].dtype.is_floating_point:
-            problems.append(f"tensor {n!r} in {ck.entries[n].file} has non-float dtype {ck.entries[n].dtype}")
-    if problems:
-        raise ConversionError(f"--hf {ck.dir}: checkpoint does not match its config "
-                              f"({arch.extra.get('hf_model_type')}, {arch.num_layers} layers): " + "; ".join(problems))
-    return classes
-
-
-def _few(names: list[str], n: int = 10) -> str:
-    return f"{names[:n]}" + (f" (+{len(names) - n} more)" if len(names) > n else "")
-
-
 def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
                 overwrite: bool = False, key_prefix: str = "", quiet: bool = False) -> ConversionReport:
     """Convert an HF Llama/Qwen2 checkpoint directory into a Megatron dist checkpoint at ``out_dir``."""
@@ -136,7 +108,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
     validate_layout(arch, tp, pp)
     target_dtype = DTYPES[dtype] if dtype not in (None, "auto") else None
     ck = HFCheckpoint(hf_dir)
-    classes = _check_hf_inventory(arch, ck)
+    classes = check_hf_inventory(arch, ck)
     pieces = conversion_pieces(arch, tp)
     L = arch.num_layers
 
@@ -309,7 +281,7 @@ def _check_mcore_inventory(reader: DistCheckpointReader, arch, key_prefix: str, 
 def check_mcore_version(mcore_dir: str) -> None:
     """Refuse, naming both versions, a checkpoint written by a megatron-core too new for this one to read: the
     version our converter (MANIFEST) or trainer (models/checkpoint.py's META_FILE) stored, else the layout on disk
-    (compat/mcore.py). Also for the trainer's cache of converted HF models (convert/hf_import.py)."""
+    (compat/mcore.py)."""
     from megatron_ppo.models.checkpoint import META_FILE
 
     written_by = None

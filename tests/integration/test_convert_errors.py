@@ -117,6 +117,30 @@ def test_tied_lm_head_must_equal_embedding(tmp_path):
     convert_fails(differs, tmp_path / "out", "lm_head.weight differs")
 
 
+def test_a_role_from_hf_weights_refuses_a_bad_checkpoint_by_name(tiny_llama, tmp_path, megatron_single):
+    """load_hf_weights (each rank reading its slices) keeps the converter's checks: a wrong shape or an unknown
+    tensor named before anything is read, a stored tied lm_head that differs from the embedding named by rows;
+    an equal one is loaded and skipped."""
+    from megatron_ppo.convert.hf_import import load_hf_weights
+    from megatron_ppo.convert.mapping import arch_from_hf_config
+    from megatron_ppo.models.gpt import build_gpt_model
+
+    def load(hf_dir):
+        return load_hf_weights(build_gpt_model(arch_from_hf_config(hf_dir), "actor"), "actor", hf_dir)
+
+    name = "model.layers.0.self_attn.k_proj.weight"
+    with pytest.raises(ConversionError, match=rf"'{name}' .* has shape \(16, 64\), expected \(32, 64\)"):
+        load(variant(tiny_llama, tmp_path / "shape", lambda t: {**t, name: torch.zeros(16, 64)}))
+    extra = "model.layers.0.mlp.extra_proj.weight"
+    with pytest.raises(ConversionError, match=rf"unknown tensors \['{extra}'\]"):
+        load(variant(tiny_llama, tmp_path / "extra", lambda t: {**t, extra: torch.zeros(3, 3)}))
+    tied = make_tiny_hf("qwen2", str(tmp_path / "tied"), tokenizer=False)
+    with pytest.raises(ConversionError, match=r"lm_head.weight differs from model.embed_tokens.weight \(rows 0:300\)"):
+        load(variant(tied, tmp_path / "differs", lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"] + 1}))
+    same = variant(tied, tmp_path / "same", lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"].clone()})
+    assert load(same).params_in == load(tied).params_in
+
+
 def test_derived_rotary_buffers_are_skipped_and_counted(tiny_llama, tmp_path):
     buffers = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(4)}
     src = variant(tiny_llama, tmp_path / "hf", lambda t: {**t, **buffers})

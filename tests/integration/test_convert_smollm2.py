@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ppo.convert.hf_import import load_hf_weights
 from megatron_ppo.convert.mapping import arch_from_hf_config
 from megatron_ppo.convert.pipeline import hf_to_mcore, mcore_to_hf
 from megatron_ppo.convert.verify import load_dist_checkpoint, megatron_logits
@@ -59,6 +60,14 @@ def test_smollm2_logits_greedy_and_round_trip(smollm2, tmp_path, megatron_single
     arch = arch_from_hf_config(hf_dir)
     model = build_gpt_model(arch).eval()
     load_dist_checkpoint(model, ckpt, strict=True)
+    # a role started from the HF files (each rank reading its own slices; one rank here): the same tensors, bit for
+    # bit, so the logits and continuations below hold for it too (TP=2 / PP=2: test_convert_tiny.py)
+    sliced = build_gpt_model(arch).eval()
+    assert load_hf_weights(sliced, "actor", hf_dir).bytes_read == os.path.getsize(Path(hf_dir) / "model.safetensors") \
+        - _safetensors_header_bytes(Path(hf_dir) / "model.safetensors")
+    want_params = dict(model.named_parameters())
+    assert [k for k, v in sliced.named_parameters() if not torch.equal(v, want_params[k])] == []
+    del sliced
     hf_conts = []
     for ids in prompts:
         with torch.no_grad():
@@ -91,6 +100,11 @@ def test_smollm2_logits_greedy_and_round_trip(smollm2, tmp_path, megatron_single
     for name in os.listdir(hf_dir):
         if not name.endswith(".safetensors"):
             assert (Path(back) / name).read_bytes() == (Path(hf_dir) / name).read_bytes(), name
+
+
+def _safetensors_header_bytes(path) -> int:
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
 
 
 def test_the_cache_is_rebuilt_when_stale_incomplete_or_from_another_gguf(tmp_path):

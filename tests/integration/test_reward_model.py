@@ -209,7 +209,7 @@ def test_reward_model_worker_on_ray_tp2_and_dp2_equals_transformers(reward_model
 
     hf_dir = reward_models["qwen2_rm"]
     cfg = rm_config(hf_dir, tmp_path)
-    convert_for_roles(cfg, ["reward"])  # as build_components does: ranks of a multi-rank world cannot convert
+    convert_for_roles(cfg, ["reward"])  # as build_components does: the HF headers checked before the ranks start
     batch = rollout([5, 9, 3, 7, 4, 6, 2], [6, 2, 4, 3, 1, 5, 6], seed=1)
     want = hf_scores(hf_dir, sequences(batch))
     lengths = [len(s) for s in sequences(batch)]

@@ -46,7 +46,6 @@ def smollm2_actor(tmp_path_factory):
     """An in-process actor rank (LocalWorkerGroup) on SmolLM2 with rollout.name=vllm, its tokenizer and prompts."""
     from transformers import AutoTokenizer
 
-    from megatron_ppo.convert.hf_import import converted_checkpoint, hf_import_cache
     from megatron_ppo.distributed.group import LocalWorkerGroup
     from megatron_ppo.parallel.platform import disable_cpu_platform
     from megatron_ppo.workers.actor import ActorWorker
@@ -61,7 +60,6 @@ def smollm2_actor(tmp_path_factory):
         "rollout.vllm.cpu_kv_cache_gib=0.5", f"trainer.log_dir={tmp / 'logs'}",
         f"rollout.vllm.weights_dir={tmp / 'shm'}", "cluster.launcher=local", "actor.optim.lr=0.05",
         "cluster.actor.tensor_model_parallel_size=1", "cluster.ref.tensor_model_parallel_size=1"])
-    converted_checkpoint(hf_dir, hf_import_cache(cfg))
     tok = AutoTokenizer.from_pretrained(hf_dir)
     group = LocalWorkerGroup("actor", ActorWorker, dict(cfg=cfg, vocab_size=len(tok), total_steps=1), seed=1)
     try:

@@ -30,25 +30,18 @@ def _assert_same(got: dict, want: dict):
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    from megatron_ppo.convert.hf_import import converted_checkpoint
-
     root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for kind in KINDS:
-        hf_dir = make_tiny_hf(kind, str(root / kind), tokenizer=False)
-        converted_checkpoint(hf_dir, str(root / "cache"))  # as the driver does, before any rank starts
-        out[kind] = (hf_dir, str(root / "cache"))
-    return out
+    return {kind: make_tiny_hf(kind, str(root / kind), tokenizer=False) for kind in KINDS}
 
 
-def _actor(hf_dir, cache):
+def _actor(hf_dir):
     from megatron_ppo.convert.hf_import import load_hf_weights
     from megatron_ppo.convert.mapping import arch_from_hf_config
     from megatron_ppo.models.gpt import build_gpt_model
 
     arch = arch_from_hf_config(hf_dir)
     model = build_gpt_model(arch, "actor")
-    load_hf_weights(model, "actor", hf_dir, cache)
+    load_hf_weights(model, "actor", hf_dir)
     return model, arch
 
 
@@ -56,8 +49,8 @@ def _actor(hf_dir, cache):
 def test_export_is_the_hf_checkpoint_and_follows_an_update(megatron_single, hf_models, tmp_path, kind):
     from megatron_ppo.rollout.weights import StaleWeightsError, finish_sync, read_weights, write_weights
 
-    hf_dir, cache = hf_models[kind]
-    model, arch = _actor(hf_dir, cache)
+    hf_dir = hf_models[kind]
+    model, arch = _actor(hf_dir)
     want = _hf_tensors(hf_dir)
     files = write_weights(model, str(tmp_path / "sync"), version=1, bucket_bytes=64 << 10)
     assert len(files) > 1  # buckets
@@ -92,22 +85,22 @@ def test_a_missing_stage_is_refused(megatron_single, hf_models, tmp_path):
 
     from megatron_ppo.rollout.weights import finish_sync, write_weights
 
-    hf_dir, cache = hf_models["llama"]
-    model, arch = _actor(hf_dir, cache)
+    hf_dir = hf_models["llama"]
+    model, arch = _actor(hf_dir)
     files = write_weights(model, str(tmp_path), version=5, bucket_bytes=64 << 10)
     with pytest.raises(ValueError, match="missing"):
         finish_sync(str(tmp_path), 5, files[:-1], arch)
     assert not os.path.exists(tmp_path / "sync.json")
 
 
-def _job_export(rank, world, layout, hf_dir, cache, out):
+def _job_export(rank, world, layout, hf_dir, out):
     from megatron_ppo import parallel
     from megatron_ppo.rollout.weights import write_weights
 
     tp, pp = {"tp2": (2, 1), "pp2": (1, 2)}[layout]
     parallel.initialize(tp=tp, pp=pp, seed=7)
     try:
-        model, _ = _actor(hf_dir, cache)
+        model, _ = _actor(hf_dir)
         return write_weights(model, out, version=9)
     finally:
         parallel.destroy(destroy_process_group=False)
@@ -120,8 +113,8 @@ def test_sharded_actor_exports_the_same_weights(dist_pool2, hf_models, tmp_path,
     from megatron_ppo.convert.mapping import arch_from_hf_config
     from megatron_ppo.rollout.weights import finish_sync, read_weights
 
-    hf_dir, cache = hf_models[kind]
-    r0, r1 = dist_pool2.run(_job_export, layout, hf_dir, cache, str(tmp_path))
+    hf_dir = hf_models[kind]
+    r0, r1 = dist_pool2.run(_job_export, layout, hf_dir, str(tmp_path))
     if layout == "tp2":
         assert r0 and not r1  # TP rank 1 gathers, rank 0 writes
     else:
@@ -153,8 +146,8 @@ def test_shared_weights_are_the_export_and_never_the_live_parameters(megatron_si
     afterwards does not change what was shared (a copy, not the parameters)."""
     from megatron_ppo.rollout.weights import check_complete, share_weights
 
-    hf_dir, cache = hf_models[kind]
-    model, arch = _actor(hf_dir, cache)
+    hf_dir = hf_models[kind]
+    model, arch = _actor(hf_dir)
     handles, keep = share_weights(model)
     check_complete([name for name, _ in handles], arch, 1, "test")
     with torch.no_grad():
