@@ -36,6 +36,12 @@ DECODE_GOALS = ">= 20,000 tokens/s at 64 prompts x 256 new tokens, >= 40,000 tok
                "<= 3 ms at 64 rows"
 
 
+UPDATE_CALL = "run(command='GPU_CHECK_ONLY=ppo_step GPU_CHECK_BUDGET_S=420 bash tools/gpu_check.sh', carry=['.whl'], " \
+              "timeout_s=540)"
+UPDATE_GOALS = "actor update MFU >= 30 % on the 0.5 B shape and >= 40 % on the 1.5 B shape with 16k-token " \
+               "micro-batches, at most 8 host reads per micro-batch"
+
+
 def stage_list() -> list[tuple[str, int, str]]:
     """(name, budget s, what) of every stage, from the script itself (``gpu_check.sh --list``)."""
     out = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--list"], capture_output=True, text=True,
@@ -260,6 +266,26 @@ def decode_pending_lines(stages: list[tuple[str, int, str]] | None = None) -> li
             "eager and static systems on a tiny fp32 model in seconds."]
 
 
+def update_measured(ppo_step: dict | None) -> bool:
+    """A ppo_step result from issue 47's stage (token-budget micro-batches, host reads counted)."""
+    return bool(ppo_step and ppo_step.get("worker_calls"))
+
+
+def update_pending_lines() -> list[str]:
+    """The page's section on the Megatron update (issue 47) while no device run has measured it."""
+    return ["## The Megatron update on a GPU (issue 47)", "",
+            "**Pending (no GPU lent).** Stage ppo_step as issue 47 left it: 128 prompts x 256 tokens, every role's "
+            "micro-batches by a 16k-token budget, the packed attention without host reads (varlen where the torch "
+            "build has it, else padded SDPA), megatron's fusions where their libraries are, DDP's overlaps on NCCL; "
+            "then the 1.5 B shape if the stage has 100 s left. It reports the actor update's MFU, host reads per "
+            f"micro-batch and each role's peak memory. Goals: {UPDATE_GOALS}.", "",
+            "Run `bash tools/gpu_check_prepare.sh` here, then the device call "
+            f"`{UPDATE_CALL}` (env, deps, build and ppo_step), then `bash tools/gpu_check.sh --record <the folder "
+            "the files came back to>` (it keeps this section pending until a ppo_step result with host-read counts "
+            "comes back). On a CPU, `python -m megatron_ppo.testing.gpu_step --arch tiny --device cpu --steps 2 "
+            "--batch 8 --response-length 8 --micro-tokens 256` runs the same path on a tiny fp32 model."]
+
+
 def engine_lines(e: dict) -> list[str]:
     rows = ["| engine | generation tokens/s | gen s/step | sync_weights s/step | step s |", "|---|---:|---:|---:|---:|"]
     for name in ("megatron", "vllm"):
@@ -301,7 +327,7 @@ def placeholder(args) -> int:
               "step time / 989 TFLOP/s (the H200's dense bf16 datasheet peak), beside the actor update's own MFU "
               "and an all-passes FLOP count; the NCCL stage records NCCL's answer to two ranks on one GPU (it "
               "normally refuses them: 'Duplicate GPU detected')."]
-    lines += [""] + decode_pending_lines()
+    lines += [""] + decode_pending_lines() + [""] + update_pending_lines()
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0
@@ -319,6 +345,7 @@ def record(args) -> int:
     if not r.get("decode") and (src / "decode.json").is_file():
         r["decode"] = read_json(src / "decode.json")
     decode_measured = bool(r.get("decode"))
+    ppo_measured = update_measured(r.get("ppo_step"))
     c = r["counts"]
     lines = page_header() + [f"Run finished {r['finished_utc']}: `gpu_check: {c['ok']} ok, {c['failed']} failed, "
                              f"{c['skipped']} skipped in {r['elapsed_s']} s`.", ""]
@@ -350,12 +377,15 @@ def record(args) -> int:
         if not rr.get("decode") and (Path(rerun) / "decode.json").is_file():
             rr["decode"] = read_json(Path(rerun) / "decode.json")
         decode_measured = decode_measured or bool(rr.get("decode"))
+        ppo_measured = ppo_measured or update_measured(rr.get("ppo_step"))
         rc = rr["counts"]
         lines += [f"## Rerun, finished {rr['finished_utc']}", "",
                   f"`gpu_check: {rc['ok']} ok, {rc['failed']} failed, {rc['skipped']} skipped in {rr['elapsed_s']} s`",
                   "", summary_markdown(rr).split("\n", 3)[3].strip(), ""]
     if not decode_measured:
         lines += decode_pending_lines() + [""]
+    if not ppo_measured:
+        lines += update_pending_lines() + [""]
     Path(args.out).write_text("\n".join(lines).rstrip() + "\n")
     print(f"wrote {args.out}; now: python tools/collect_benchmarks.py")
     return 0

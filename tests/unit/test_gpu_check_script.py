@@ -288,6 +288,8 @@ def test_record_writes_the_gpu_page_from_a_device_run(tmp_path):
     pending = text[text.index("## Decode step (issue 46)"):]  # no decode.json came back: the section says pending
     assert "Pending (no GPU lent)" in pending and gpu_check_report().DECODE_CALL in pending
     assert "bash tools/gpu_check_prepare.sh" in pending and ">= 20,000 tokens/s at 64" in pending
+    update = text[text.index("## The Megatron update on a GPU (issue 47)"):]  # a ppo_step without host-read counts
+    assert "Pending (no GPU lent)" in update and gpu_check_report().UPDATE_CALL in update
 
 
 def fake_decode() -> dict:
@@ -319,9 +321,31 @@ def test_record_shows_a_device_runs_decode_table(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check_report.py"), "record", str(res), "--out",
                     str(page), "--kernels-page", ""], check=True, capture_output=True, text=True)
     text = page.read_text()
-    assert "Pending (no GPU lent)" not in text and "## Decode step (stage decode, issue 46)" in text
+    decode = text.split("## The Megatron update on a GPU (issue 47)")[0]
+    assert "Pending (no GPU lent)" not in decode and "## Decode step (stage decode, issue 46)" in text
     assert "| 64x256 | eager (at 64 tokens) |" in text and "| 64x256 | graphs | 23406 |" in text
     assert "goal ms per decode step at 64 rows <= 3: 2.51 (graphs), met" in text
+
+
+def test_record_shows_issue_47s_update_measurements(tmp_path):
+    res = fake_device_results(tmp_path)
+    p = json.loads((res / "ppo_step.json").read_text())
+    p.update(micro_tokens=16384, worker_calls={
+        "reads": 40, "micro_batches": 10, "reads_per_micro_batch": 4.0,
+        "by_role": {"actor": {"reads": 30, "micro_batches": 6}, "critic": {"reads": 10, "micro_batches": 4}},
+        "peak_gib_by_role": {"actor": 31.5, "critic": 20.25}, "transient_gib_by_role": {"actor": 9.0}})
+    p["qwen2-1.5b"] = dict(p, arch="qwen2-1.5b")
+    (res / "ppo_step.json").write_text(json.dumps(p))
+    results = json.loads((res / "results.json").read_text())
+    results["ppo_step"] = p  # summarize copies ppo_step.json into results.json on the device
+    (res / "results.json").write_text(json.dumps(results))
+    page = tmp_path / "gpu.md"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check_report.py"), "record", str(res), "--out",
+                    str(page), "--kernels-page", ""], check=True, capture_output=True, text=True)
+    text = page.read_text()
+    assert "## The Megatron update on a GPU (issue 47)" not in text  # measured: no pending section
+    assert "micro-batches by a 16384-token budget" in text and "| actor | 6 | 30 | 31.5 | 9.0 |" in text
+    assert "4.0 per micro-batch (issue 47's budget: 8)" in text and "### The 1.5 B shape" in text
 
 
 def test_record_refuses_a_dry_run(tmp_path):
