@@ -42,6 +42,7 @@ VERL_KEYS = {  # rows whose verl key is not "<verl section>.<same name>"
     "reward.reward_model.model.path": "reward.reward_model.model_path",
     "rollout.dump_dir": "trainer.rollout_data_dir", "trainer.seed": "actor_rollout_ref.actor.megatron.seed",
     "reward.reward_model.micro_batch_size_per_gpu": None,
+    "cluster.nccl_timeout_s": "actor_rollout_ref.nccl_timeout",
 }
 VERL_RENAMES = [  # (verl's prefix, ours): an unknown-key error names our key (io._suggest)
     ("actor_rollout_ref.actor.megatron", "cluster.actor"), ("actor_rollout_ref.ref.megatron", "cluster.ref"),

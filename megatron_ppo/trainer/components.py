@@ -149,7 +149,7 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
         writer = TrajectoryWriter(cfg.rollout.dump_dir, policy_name=t.experiment_name,
                                   temperature=cfg.rollout.temperature, tokenizer=tokenizer)
         dumper = lambda step, batch: writer.append(step, trajectory_rows(batch, tokenizer))  # noqa: E731
-    convert_for_roles(cfg, cfg.roles)  # HF -> Megatron in this process, once, before any rank starts
+    convert_for_roles(cfg, cfg.roles)  # HF headers checked before any rank starts; each rank reads its own slices
     try:  # last: the groups are what needs closing
         groups = build_groups(cfg, vocab, total_steps, worker_classes)
     except BaseException:

@@ -58,9 +58,9 @@ class RoleWorker(MegatronWorker):
             self._zero_value_head()
         path = cfg.model_for(self.ROLE).path
         if path is not None:  # a reward model's trained score head replaces a zeroed one
-            from megatron_ppo.convert.hf_import import hf_import_cache, load_hf_weights
+            from megatron_ppo.convert.hf_import import load_hf_weights
 
-            load_hf_weights(self.model, self.ROLE, path, hf_import_cache(cfg))
+            load_hf_weights(self.model, self.ROLE, path)  # each rank reads its own slices of the HF files
         self._reload_main_params()
 
     def _zero_value_head(self) -> None:

@@ -284,6 +284,7 @@ DELIBERATE_DEFAULT_DIFFERENCES = {
     "cluster.actor.sequence_parallel", "cluster.critic.sequence_parallel", "cluster.ref.sequence_parallel",
     "trainer.project_name", "trainer.experiment_name", "trainer.logger",
     "trainer.default_local_dir",  # same directory; {project_name} placeholders instead of ${trainer.*} interpolation
+    "cluster.nccl_timeout_s",  # 1800 s, verl's 600: a synchronous 70B checkpoint save outlasts 10 minutes (issue 47)
 }
 
 
