@@ -47,24 +47,32 @@ def sequence_lengths(tokens: int, low: int, high: int, seed: int = 0) -> list[in
     return out
 
 
-def time_strategy(model, micro, strategy: str, iters: int, sync) -> float:
+def set_strategy(model, strategy: str) -> None:
     from megatron_ppo.models.attention import SDPACoreAttention
-    from megatron_ppo.models.forward import model_forward
 
     for m in model.modules():
         if isinstance(m, SDPACoreAttention):
             m.thd_strategy = strategy
-    times = []
+
+
+def time_strategies(model, micro, strategies: list[str], iters: int, sync) -> dict[str, float]:
+    """Median seconds of forward + backward per strategy, the strategies interleaved round by round (a machine
+    whose load changes during the run charges them alike); round 0 is warm-up."""
+    from megatron_ppo.models.forward import model_forward
+
+    times: dict[str, list[float]] = {s: [] for s in strategies}
     for i in range(iters + 1):
-        sync()
-        start = time.perf_counter()
-        out = model_forward(model, micro)
-        out.float().square().mean().backward()
-        sync()
-        if i:  # the first is warm-up
-            times.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+        for strategy in strategies:
+            set_strategy(model, strategy)
+            sync()
+            start = time.perf_counter()
+            out = model_forward(model, micro)
+            out.float().square().mean().backward()
+            sync()
+            if i:
+                times[strategy].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    return {s: statistics.median(t) for s, t in times.items()}
 
 
 def run(shape: str, tokens: int, low: int, high: int, iters: int, strategies: list[str]) -> dict:
@@ -85,15 +93,15 @@ def run(shape: str, tokens: int, low: int, high: int, iters: int, strategies: li
     device = next(model.parameters()).device
     micro = {"input_ids": ids.to(device), "cu_seqlens": cu.to(device), "seq_bounds": tuple(cu.tolist())}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    rows = {}
+    rows, runnable = {}, []
     for strategy in strategies:
         if strategy == "varlen" and (not cuda or _varlen_attn is None):
             rows[strategy] = None
-            continue
-        if strategy == "block_mask" and tokens > 8192:
+        elif strategy == "block_mask" and tokens > 8192:
             rows[strategy] = None  # a [t, t] mask per head: not a candidate at this size
-            continue
-        seconds = time_strategy(model, micro, strategy, iters, sync)
+        else:
+            runnable.append(strategy)
+    for strategy, seconds in time_strategies(model, micro, runnable, iters, sync).items():
         rows[strategy] = {"ms": seconds * 1e3, "tokens_per_s": tokens / seconds}
     parallel.destroy()
     return {"shape": shape, "tokens": tokens, "sequences": len(lengths), "max_len": max(lengths),
@@ -105,7 +113,8 @@ def run(shape: str, tokens: int, low: int, high: int, iters: int, strategies: li
 def render(results: list[dict], command: str) -> str:
     lines = ["# Packed (THD) attention strategies of the local spec", "",
              "Actor forward + backward of one packed micro-batch through the real model (`model_forward`), median "
-             "of the timed iterations after a warm-up; each strategy on the same micro-batch in one process.", "",
+             "of the timed rounds after a warm-up round; the strategies interleaved round by round on the same "
+             "micro-batch in one process.", "",
              f"Command: `{command}`", "",
              "| shape | device | dtype | tokens (sequences, longest) | strategy | ms | tokens/s | vs per_sequence |",
              "|---|---|---|---|---|---|---|---|"]

@@ -120,8 +120,8 @@ class SDPACoreAttention(MegatronModule):
     THD strategy (env ``MEGATRON_PPO_THD_ATTENTION`` or attribute ``thd_strategy``): 'varlen' (torch's flash
     varlen kernel: CUDA, fp16/bf16, no dropout), 'padded' (the sequences scattered into [n, max_s] rows, one causal
     SDPA call: flash / memory-efficient on a GPU), 'per_sequence' (one causal SDPA call per sequence),
-    'block_mask' (one call with a block-diagonal mask: O(t^2)). 'auto': varlen where it runs (a GPU), else padded:
-    never a loop over sequences (docs/bench/thd_attention.md measures the choice).
+    'block_mask' (one call with a block-diagonal mask: O(t^2)). 'auto': on a GPU varlen where it runs, else padded
+    (never a loop over sequences there); on the CPU per_sequence (docs/bench/thd_attention.md measures the choice).
     With ``models.forward.PackedSequences`` (what ``model_forward`` builds for the local spec) nothing is read
     back from the device: the boundaries come as host ints, checked once per micro-batch where they were built.
     """
@@ -178,7 +178,9 @@ class SDPACoreAttention(MegatronModule):
                              "no usable varlen_attn (torch.nn.attention.varlen with a causal mode)")
         if self.thd_strategy != "auto":
             return self.thd_strategy
-        if q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16) and p == 0:
+        if not q.is_cuda:
+            return "per_sequence"  # as fast as padded on the CPU, faster at small widths (bench_thd_attention)
+        if _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16) and p == 0:
             return "varlen"
         return "padded"
 
