@@ -19,7 +19,8 @@ MCORE_NEXT_TESTS ?= tests/unit/test_mcore_compat.py $(wildcard tests/unit/test_m
 	tests/integration/test_models_checkpoint.py tests/integration/test_models_checkpoint_refusals.py \
 	tests/integration/test_mcore_versions.py $(wildcard tests/integration/test_worker_*.py) \
 	tests/integration/test_convert_tiny.py tests/integration/test_convert_run_checkpoint.py \
-	tests/integration/test_workers_hf_weights.py tests/integration/test_generation_static_step.py
+	tests/integration/test_workers_hf_weights.py tests/integration/test_generation_static_step.py \
+	tests/integration/test_host_reads.py
 MCORE_NEXT_ENV = NO_VCS_VERSION=1 MPPO_EXPECT_MCORE=$(MCORE_NEXT) \
 	PYTHONPATH=$(CURDIR)/$(MCORE_NEXT_DIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
