@@ -36,6 +36,7 @@ BYTES_PER_PARAM = 16
 RANKS_PER_ROLE = 128
 ROLES = 2  # actor, critic (frozen roles save no model)
 FILES_PER_RANK = 2  # torch_dist: __<rank>_0.distcp, __<rank>_1.distcp per role
+MEMORY_SECTION = "<!-- tools/bench_checkpoint_memory.py -->"  # the rest of the doc: that tool's section, kept
 
 
 def _crc(fn):
@@ -182,7 +183,10 @@ def main(argv=None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
+        out = Path(args.out)
+        old = out.read_text() if out.exists() else ""
+        keep = old[old.index(MEMORY_SECTION):] if MEMORY_SECTION in old else ""  # rewritten by its own tool
+        out.write_text(text + ("\n" + keep if keep else ""))
     return 0
 
 

@@ -59,3 +59,28 @@ def test_the_same_model_loads(saved_actor):
 
     meta = load_checkpoint(_build(), saved_actor)
     assert meta["role"] == "actor" and meta["has_optimizer"] is False
+
+
+def _with_optimizer(name: str):
+    """A model with megatron's ``name`` optimizer (OptimizerConfig.optimizer), without the distributed optimizer."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ppo.models.training import wrap_ddp
+
+    model = _build()
+    return model, get_megatron_optimizer(OptimizerConfig(optimizer=name, lr=1e-2), [wrap_ddp(model)])
+
+
+def test_sgd_is_refused_by_name_at_save_and_load(megatron_single, tmp_path):
+    """megatron builds SGD only without the distributed optimizer (which asserts Adam); its sharded state dict has
+    no state initialiser for a load (init_state_fn None): refused by name before anything is written or read."""
+    from megatron_ppo.models.checkpoint import load_checkpoint, save_checkpoint
+
+    model, optimizer = _with_optimizer("sgd")
+    with pytest.raises(ValueError, match=r"save_checkpoint: optimizer torch\.optim\.sgd\.SGD \(rank 0\) cannot be "
+                                         r"checkpointed: .*supported: torch\.optim\.adam\.Adam"):
+        save_checkpoint(model, str(tmp_path / "sgd"), optimizer)
+    adam_model, adam = _with_optimizer("adam")
+    save_checkpoint(adam_model, str(tmp_path / "adam"), adam)
+    with pytest.raises(ValueError, match=r"load_checkpoint: optimizer torch\.optim\.sgd\.SGD"):
+        load_checkpoint(model, str(tmp_path / "adam"), optimizer)
