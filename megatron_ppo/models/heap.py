@@ -2,8 +2,8 @@
 
 Why: torch frees a call's peak (a micro-batch's logits, activations), but glibc keeps freed pages in its arenas, and
 tensors that only reference cycles hold wait for the garbage collector; a rank's resident size then stays near its
-largest peak, and a save's own copies of the model and optimizer state (~4.5 GB on SmolLM2-135M in float32) come on
-top of it. On 2 cores and 24 GB a run was killed by Ray's memory monitor at a save (docs/bench/learning_smollm2.md).
+largest peak, and a save's own copies of the model and optimizer state come on top of it (until issue 47 a save
+gathered every DP shard's optimizer state onto each rank; it now writes only the rank's own: docs/bench/checkpoint.md). On 2 cores and 24 GB a run was killed by Ray's memory monitor at a save (docs/bench/learning_smollm2.md).
 A garbage collection and ``malloc_trim(0)`` (glibc >= 2.8 also releases pages inside the heap, every arena) before
 the save give back what is free then (a SmolLM2 probe, the actor rank: 8.89 -> 4.43 GB), and after it the save's
 copies (4.96 -> 2.82 GB). The driver also has every other role's ranks release before a save
