@@ -97,6 +97,8 @@ def run(shape: str, tokens: int, low: int, high: int, iters: int, strategies: li
     for strategy in strategies:
         if strategy == "varlen" and (not cuda or _varlen_attn is None):
             rows[strategy] = None
+        elif strategy == "flex" and not cuda:
+            rows[strategy] = None  # torch's FlexAttention has no backward on the CPU
         elif strategy == "block_mask" and tokens > 8192:
             rows[strategy] = None  # a [t, t] mask per head: not a candidate at this size
         else:
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--min-len", type=int, default=40)
     ap.add_argument("--max-len", type=int, default=200)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--strategies", nargs="+", default=["per_sequence", "padded", "block_mask", "varlen"])
+    ap.add_argument("--strategies", nargs="+", default=["per_sequence", "padded", "block_mask", "flex", "varlen"])
     ap.add_argument("--out")
     ap.add_argument("--json")
     args = ap.parse_args(argv)

@@ -29,8 +29,9 @@
 #   9 ppo_step   megatron_ppo/testing/gpu_step.py: bf16 PPO steps of a 0.5 B Qwen2-shaped model, actor + critic +
 #                ref through the real workers in one process (launcher=local, device=cuda), 128 prompts x 256, every
 #                role's micro-batches by a 16k-token budget: step time, tokens/s, MFU (the actor update's: issue 47's
-#                goal), host reads per micro-batch, each role's peak memory; then, if 100 s of the stage are left, the
-#                same at the 1.5 B shape (--arch qwen2-1.5b, 2 steps; into ppo_step.json's "qwen2-1.5b")
+#                goal), host reads per micro-batch, each role's peak memory; then, time allowing, the packed attention
+#                strategies at 16k tokens (tools/bench_thd_attention.py: varlen, padded, flex, ...; "thd_attention")
+#                and the same step at the 1.5 B shape (--arch qwen2-1.5b, 2 steps; "qwen2-1.5b" in ppo_step.json)
 #  10 bench      tools/bench_kernels.py --device cuda
 #  11 vllm       rollout.name=vllm vs megatron: the same PPO step (gpu_step --engine) at 256 prompts x 512 tokens,
 #                generation tokens/s of each (issue 25's goal: vLLM >= 3x ours); skipped when the image has no
@@ -65,7 +66,7 @@ STAGES=(env deps build decode parity models sanitizer nccl ppo_step bench vllm)
 # stage gets at most what is left of the 480 s (minus RESERVE_S); expected on an H200 about 400 s in all (build ~60-90,
 # decode ~70, parity ~60, models ~30, sanitizer ~50, nccl ~15, ppo_step ~70, bench ~40).
 declare -A BUDGET=([env]=30 [deps]=40 [build]=180 [decode]=90 [parity]=100 [models]=75 [sanitizer]=100 [nccl]=45
-                   [ppo_step]=240 [bench]=75 [vllm]=360)
+                   [ppo_step]=300 [bench]=75 [vllm]=360)
 declare -A WHAT=(
   [env]="environment report"
   [deps]="megatron-core from the carried wheels"
@@ -313,15 +314,24 @@ stage_ppo_step() {
   # shellcheck disable=SC2086 # GPU_CHECK_PPO_ARGS is a list of arguments
   "$PY" -m megatron_ppo.testing.gpu_step --out "$RESULTS/ppo_step.json" --workdir "$WORK/ppo" \
     ${GPU_CHECK_PPO_ARGS:-} || fail "PPO step"
-  local left=$(( ${GPU_CHECK_STAGE_BUDGET:-240} - (SECONDS - s0) ))
+  local left=$(( ${GPU_CHECK_STAGE_BUDGET:-300} - (SECONDS - s0) ))
+  [ "$left" -ge 60 ] || { echo "THD strategies and the 1.5 B case left out: ${left}s of the stage left"; return 0; }
+  timeout -k 5 $((left < 120 ? left - 5 : 115)) "$PY" tools/bench_thd_attention.py --shape qwen2.5-0.5b \
+    --tokens 16384 --iters 3 --json "$WORK/thd.json" && merge_ppo thd_attention "$WORK/thd.json"
+  left=$(( ${GPU_CHECK_STAGE_BUDGET:-300} - (SECONDS - s0) ))
   [ "$left" -ge 100 ] || { echo "1.5 B case left out: ${left}s of the stage left"; return 0; }
   timeout -k 5 $((left - 5)) "$PY" -m megatron_ppo.testing.gpu_step --arch qwen2-1.5b --steps 2 \
-    --out "$WORK/ppo_1p5b.json" --workdir "$WORK/ppo_1p5b" || { echo "1.5 B case did not finish"; return 0; }
-  "$PY" - "$RESULTS/ppo_step.json" "$WORK/ppo_1p5b.json" <<'PYEOF' || echo "(1.5 B result not merged)"
+    --out "$WORK/ppo_1p5b.json" --workdir "$WORK/ppo_1p5b" && merge_ppo qwen2-1.5b "$WORK/ppo_1p5b.json"
+  return 0
+}
+
+merge_ppo() {  # merge_ppo KEY FILE: FILE's JSON under KEY in ppo_step.json (the results are at most 8 files)
+  "$PY" - "$RESULTS/ppo_step.json" "$1" "$2" <<'PYEOF' || echo "($1 not merged into ppo_step.json)"
 import json, sys
-main, extra = (json.load(open(p)) for p in sys.argv[1:3])
-main["qwen2-1.5b"] = extra
-json.dump(main, open(sys.argv[1], "w"), indent=1, default=str)
+path, key, extra = sys.argv[1:4]
+main = json.load(open(path))
+main[key] = json.load(open(extra))
+json.dump(main, open(path, "w"), indent=1, default=str)
 PYEOF
 }
 

@@ -177,6 +177,14 @@ def ppo_lines(p: dict) -> list[str]:
                       f"{calls['reads_per_micro_batch'] or 0:.1f} per micro-batch (issue 47's budget: 8). Peaks "
                       "are the process's (every role's resident state is in it: launcher=local); transient is a "
                       "call's peak minus what was allocated when it began."]
+    thd = p.get("thd_attention")
+    if thd:
+        lines += ["", "Packed attention strategies (tools/bench_thd_attention.py, actor forward + backward of one "
+                      "micro-batch, interleaved rounds):", "", "| shape | tokens | strategy | ms | tokens/s |",
+                  "|---|---:|---|---:|---:|"]
+        for r in thd:
+            lines += [f"| {r['shape']} | {r['tokens']} | {name} | {row['ms']:.1f} | {row['tokens_per_s']:.0f} |"
+                      for name, row in r["strategies"].items() if row]
     if p.get("qwen2-1.5b"):
         lines += ["", "### The 1.5 B shape", ""] + ppo_lines(p["qwen2-1.5b"])
     return lines

@@ -74,7 +74,32 @@ if _varlen_attn is not None and not varlen_usable(_varlen_attn):  # pragma: no c
     _varlen_attn = None
 _VARLEN_PARAMS = _parameters(_varlen_attn)
 
-THD_STRATEGIES = ("auto", "varlen", "padded", "per_sequence", "block_mask")
+THD_STRATEGIES = ("auto", "varlen", "padded", "per_sequence", "block_mask", "flex")
+
+
+def document_block_mask(segments: torch.Tensor):
+    """FlexAttention's BlockMask for causal attention within each packed sequence (``segments``: each token's
+    sequence), built once per micro-batch; on a GPU with ``torch.compile`` (what makes it cheap)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_sequence_causal(b, h, q_idx, kv_idx):
+        return (segments[q_idx] == segments[kv_idx]) & (q_idx >= kv_idx)
+
+    t = segments.numel()
+    return create_block_mask(same_sequence_causal, None, None, t, t, device=segments.device,
+                             _compile=segments.is_cuda)
+
+
+_FLEX = {}
+
+
+def flex_attention(q, k, v, block_mask, scale: float):
+    """torch's FlexAttention on [1, heads, t, d]: compiled (triton) on a GPU, its unfused reference on the CPU."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if q.is_cuda:
+        flex = _FLEX.setdefault("compiled", torch.compile(flex))
+    return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
 
 
 def causal_keep_mask(sq: int, sk: int, device) -> torch.Tensor:
@@ -120,7 +145,8 @@ class SDPACoreAttention(MegatronModule):
     THD strategy (env ``MEGATRON_PPO_THD_ATTENTION`` or attribute ``thd_strategy``): 'varlen' (torch's flash
     varlen kernel: CUDA, fp16/bf16, no dropout), 'padded' (the sequences scattered into [n, max_s] rows, one causal
     SDPA call: flash / memory-efficient on a GPU), 'per_sequence' (one causal SDPA call per sequence),
-    'block_mask' (one call with a block-diagonal mask: O(t^2)). 'auto': on a GPU varlen where it runs, else padded
+    'block_mask' (one call with a block-diagonal mask: O(t^2)), 'flex' (FlexAttention with a document mask: one
+    triton kernel on a GPU, compiled; on the CPU its unfused reference). 'auto': on a GPU varlen where it runs, else padded
     (never a loop over sequences there); on the CPU per_sequence (docs/bench/thd_attention.md measures the choice).
     With ``models.forward.PackedSequences`` (what ``model_forward`` builds for the local spec) nothing is read
     back from the device: the boundaries come as host ints, checked once per micro-batch where they were built.
@@ -171,8 +197,8 @@ class SDPACoreAttention(MegatronModule):
         return contextlib.nullcontext()
 
     def _pick_thd_strategy(self, q, p):
-        if self.thd_strategy == "varlen" and p > 0:
-            raise ValueError("SDPACoreAttention: the varlen THD kernel has no attention dropout")
+        if self.thd_strategy in ("varlen", "flex") and p > 0:
+            raise ValueError(f"SDPACoreAttention: the {self.thd_strategy} THD kernel has no attention dropout")
         if self.thd_strategy == "varlen" and _varlen_attn is None:
             raise ValueError(f"SDPACoreAttention: MEGATRON_PPO_THD_ATTENTION=varlen but torch {torch.__version__} has "
                              "no usable varlen_attn (torch.nn.attention.varlen with a causal mode)")
@@ -251,6 +277,15 @@ class SDPACoreAttention(MegatronModule):
         if strategy == "block_mask":
             keep = block_causal_keep_mask(cu, t)
             out = sdpa(q, k, v, keep=keep, scale=self.softmax_scale, dropout_p=p)
+        elif strategy == "flex":
+            if isinstance(psp, PackedSequences):
+                if psp.block_mask is None:
+                    psp.block_mask = document_block_mask(psp.segments)
+                mask = psp.block_mask
+            else:
+                mask = document_block_mask(torch.searchsorted(cu[1:].long(), torch.arange(t, device=cu.device),
+                                                              right=True))
+            out = flex_attention(q, k, v, mask, self.softmax_scale)
         elif strategy == "per_sequence":
             # torch.split: one gradient buffer for all pieces (a slice's backward would zero-fill the whole packed
             # tensor once per sequence)

@@ -63,6 +63,8 @@ class PackedSequences(PackedSeqParams):
     bounds: tuple[int, ...] = ()
     positions: torch.Tensor | None = None
     pad_index: torch.Tensor | None = None  # each token's row in the padded [n * max_seqlen] layout
+    segments: torch.Tensor | None = None  # each token's sequence
+    block_mask: object = None  # FlexAttention's document mask, built by the first layer that needs it
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -84,7 +86,7 @@ def packed_sequences(cu_seqlens: torch.Tensor, bounds: tuple[int, ...] | None = 
     positions = token - cu.long()[segment]
     max_s = max(b - a for a, b in zip(bounds, bounds[1:]))
     return PackedSequences(qkv_format="thd", max_seqlen_q=max_s, max_seqlen_kv=max_s, cu_seqlens=cu, bounds=bounds,
-                           positions=positions, pad_index=segment * max_s + positions)
+                           positions=positions, pad_index=segment * max_s + positions, segments=segment)
 
 
 def pack_sequences(sequences: list[torch.Tensor], align: int = 1, pad_id: int = 0):

@@ -29,7 +29,7 @@ def _padded(seqs):
     return ids, valid
 
 
-@pytest.mark.parametrize("strategy", ["varlen", "padded", "per_sequence", "block_mask"])
+@pytest.mark.parametrize("strategy", ["varlen", "padded", "flex", "per_sequence", "block_mask"])
 def test_sdpa_spec_packed_equals_padded_bf16(megatron_single, strategy):
     from megatron_ppo.models.attention import SDPACoreAttention, _varlen_attn
     from megatron_ppo.models.forward import model_forward, pack_sequences

@@ -335,6 +335,9 @@ def test_record_shows_issue_47s_update_measurements(tmp_path):
         "by_role": {"actor": {"reads": 30, "micro_batches": 6}, "critic": {"reads": 10, "micro_batches": 4}},
         "peak_gib_by_role": {"actor": 31.5, "critic": 20.25}, "transient_gib_by_role": {"actor": 9.0}})
     p["qwen2-1.5b"] = dict(p, arch="qwen2-1.5b")
+    p["thd_attention"] = [{"shape": "qwen2.5-0.5b", "tokens": 16384, "strategies": {
+        "varlen": {"ms": 41.25, "tokens_per_s": 397188.0}, "flex": {"ms": 48.0, "tokens_per_s": 341333.0},
+        "block_mask": None}}]
     (res / "ppo_step.json").write_text(json.dumps(p))
     results = json.loads((res / "results.json").read_text())
     results["ppo_step"] = p  # summarize copies ppo_step.json into results.json on the device
@@ -346,6 +349,7 @@ def test_record_shows_issue_47s_update_measurements(tmp_path):
     assert "## The Megatron update on a GPU (issue 47)" not in text  # measured: no pending section
     assert "micro-batches by a 16384-token budget" in text and "| actor | 6 | 30 | 31.5 | 9.0 |" in text
     assert "4.0 per micro-batch (issue 47's budget: 8)" in text and "### The 1.5 B shape" in text
+    assert "| qwen2.5-0.5b | 16384 | varlen | 41.2 | 397188 |" in text and "block_mask |" not in text
 
 
 def test_record_refuses_a_dry_run(tmp_path):
