@@ -37,14 +37,14 @@ def check_bounds(bounds, num_tokens: int | None = None) -> tuple[int, ...]:
 
 
 def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int | None = None,
-                      bounds: tuple[int, ...] | None = None) -> PackedSeqParams:
+                      bounds: tuple[int, ...] | None = None, num_tokens: int | None = None) -> PackedSeqParams:
     """THD PackedSeqParams for self-attention over packed sequences bounded by ``cu_seqlens`` (megatron's own type:
     what Transformer Engine's attention and fused RoPE read). ``bounds``: the same boundaries as host ints, when
     the caller has them; else they are read from ``cu_seqlens`` once."""
     cu = cu_seqlens.to(torch.int32)
     if cu.dim() != 1:
         raise ValueError(f"cu_seqlens must be 1-D [n+1], got shape {tuple(cu.shape)}")
-    bounds = check_bounds(cu.tolist() if bounds is None else bounds)
+    bounds = check_bounds(cu.tolist() if bounds is None else bounds, num_tokens)
     max_s = max(b - a for a, b in zip(bounds, bounds[1:])) if max_seqlen is None else int(max_seqlen)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                            cu_seqlens_kv_padded=cu, max_seqlen_q=max_s, max_seqlen_kv=max_s)
@@ -65,10 +65,6 @@ class PackedSequences(PackedSeqParams):
     pad_index: torch.Tensor | None = None  # each token's row in the padded [n * max_seqlen] layout
     segments: torch.Tensor | None = None  # each token's sequence
     block_mask: object = None  # FlexAttention's document mask, built by the first layer that needs it
-
-    @property
-    def lengths(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
 
 
 def packed_sequences(cu_seqlens: torch.Tensor, bounds: tuple[int, ...] | None = None,
@@ -130,8 +126,7 @@ def model_forward(model, batch: dict):
         if config.transformer_impl == "local":
             psp = packed_sequences(cu, bounds, num_tokens=input_ids.shape[1])
         else:
-            psp = packed_seq_params(cu, bounds=check_bounds(cu.tolist() if bounds is None else bounds,
-                                                            input_ids.shape[1]))
+            psp = packed_seq_params(cu, bounds=bounds, num_tokens=input_ids.shape[1])
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if config.sequence_parallel and input_ids.shape[1] % tp:
         raise ValueError(f"sequence parallel needs the sequence length ({input_ids.shape[1]}) to be a multiple of "

@@ -81,7 +81,8 @@ class HostReadCounter(TorchFunctionMode):
         if counted:
             self.by_name[name] = self.by_name.get(name, 0) + 1
             if self._where:
-                self.sites[_site()] = self.sites.get(_site(), 0) + 1
+                site = _site()
+                self.sites[site] = self.sites.get(site, 0) + 1
             self._depth += 1
         try:
             return func(*args, **(kwargs or {}))
