@@ -19,7 +19,7 @@ from megatron_ppo.errors import UsageError
 from megatron_ppo.plan import comm
 from megatron_ppo.plan.layouts import (MARGIN, colocated, comm_times, context_bytes, enumerate_layouts,
                                        process_bytes, recommend_pp, released_peak, role_specs, step_time, with_world)
-from megatron_ppo.plan.memory import GIB, Hardware, Memory, total_params
+from megatron_ppo.plan.memory import GIB, Hardware, Memory, total_params, vllm_engine_bytes
 
 # What a row's total is made of (Memory.total = resident + transient, memory.py): the resident parts, held all run,
 # plus the larger of the two transient phases, which never overlap (training, then generation, or the reverse).
@@ -80,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="NVLink GB/s per GPU and direction for groups inside a node (H100/H200 SXM: 450)")
     p.add_argument("--inter-node-gbs", type=float, default=50.0,
                    help="network GB/s per GPU and direction between nodes (one 400 Gb/s NIC per GPU: 50)")
+    p.add_argument("--pcie-gbs", type=float, default=Hardware.pcie_gbs,
+                   help="host <-> GPU GB/s per GPU and direction (vLLM weight sync, file transport; sleep/wake)")
+    p.add_argument("--tmpfs-gbs", type=float, default=Hardware.tmpfs_gbs,
+                   help="GB/s of one process writing or reading /dev/shm (vLLM file transport; an assumption)")
+    p.add_argument("--shared-fs-gbs", type=float, default=Hardware.shared_fs_gbs,
+                   help="GB/s of one stream to a shared rollout.vllm.weights_dir (vLLM file transport; an assumption)")
     p.add_argument("--dp-overlap", type=float, default=0.0,
                    help="share of the DP gradient collectives hidden behind the backward pass (0: this driver)")
     p.add_argument("--all", action="store_true", help="list infeasible layouts too (default: feasible + counts)")
@@ -197,13 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         context = 0.0 if cfg.cluster.device == "cpu" else Hardware.cuda_context_gib
     hw = Hardware(args.gpu_mem_gib, args.peak_tflops, args.hbm_tbps, args.mfu, args.headroom_gib,
                   intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs, dp_overlap=args.dp_overlap,
-                  cuda_context_gib=context)
+                  cuda_context_gib=context, pcie_gbs=args.pcie_gbs, tmpfs_gbs=args.tmpfs_gbs,
+                  shared_fs_gbs=args.shared_fs_gbs)
     specs = with_world(role_specs(cfg, gpus), gpus)
     rows, total, problems = colocated(specs, hw, per_node)
     best_pp = recommend_pp(specs, gpus, hw, per_node)
     times = step_time(specs, gpus, hw, per_node)
     comms = comm_times(specs, hw, per_node)
     sync = weight_sync_note(cfg)
+    vllm = vllm_sync(cfg, specs, hw, per_node, rows)
+    everything = problems + [f"vllm: {p}" for p in (vllm or {}).get("problems", [])]  # the exit status
     listing = {role: enumerate_layouts(spec, gpus, per_node, hw) for role, spec in specs.items()}
     colo_resident = {r: row.mem.resident for r, row in rows.items()}
     colo_process = {r: process_bytes(row.mem, hw) for r, row in rows.items()}
@@ -220,16 +229,18 @@ def main(argv: list[str] | None = None) -> int:
                           "transient_gib": {r: row.mem.transient / GIB for r, row in rows.items()},
                           "transient_phase": {r: peak_phase(row.mem) for r, row in rows.items()},
                           "context_gib": ctx / GIB, "released_peak_gib": released_peak(rows, hw) / GIB},
-            "colocated_gib": total / GIB, "fits": not problems, "problems": problems, "recommended_pp": best_pp,
+            "colocated_gib": total / GIB, "fits": not everything, "problems": everything, "recommended_pp": best_pp,
             "step_time_s": times,
             # communication per phase (in step_time_s as <phase>_comm, comm and step); plan/comm.py
             "comm_s": comms, "comm_assumptions": comm.ASSUMPTIONS, "weight_sync": sync,
+            # rollout.name=vllm on GPUs: engines, sync seconds per term (+ bytes), memory in bytes; plan/comm.py
+            "vllm": vllm,
             "layouts": {r: [{"layout": row.layout.label(), "tp": row.layout.tp, "pp": row.layout.pp,
                              "dp": row.layout.dp, "recompute": row.layout.recompute, "offload": row.layout.offload,
                              "memory_gib": memory_json(row.mem), "feasible": row.feasible, "problems": row.problems}
                             for row in rs] for r, rs in listing.items()},
         }, indent=1))
-        return 0 if not problems else 1
+        return 0 if not everything else 1
     shown = {r: rs if args.all else [x for x in rs if x.feasible] for r, rs in listing.items()}
     unit = _Unit(max([total] + [x.mem.total for rs in shown.values() for x in rs]))
     u = unit.name
@@ -269,17 +280,124 @@ def main(argv: list[str] | None = None) -> int:
                    "transient)")
     out.append(f"  smallest PP at which the colocated roles fit with {MARGIN:.0%} to spare (TP and the rest as "
                f"configured): {best_pp}")
-    out += ["", *_time_lines(times, comms, hw, gpus, sync)]
+    out += ["", *_time_lines(times, comms, hw, gpus, sync), *_sync_lines(vllm)]
     print("\n".join(out))
-    return 0 if not problems else 1
+    return 0 if not everything else 1
 
 
 def weight_sync_note(cfg) -> str:
-    """What the step time assumes about moving the trained weights to the rollout engine."""
+    """What the step time assumes about moving the trained weights to the rollout engine (the one-line summary;
+    rollout.name=vllm: ``vllm_sync`` has the plan)."""
     if cfg.rollout.name == "megatron":
         return "none: rollout.name=megatron decodes with the actor's own shards (no copy, no resharding)"
-    return (f"not modelled: rollout.name={cfg.rollout.name} reloads a resharded copy each step (and the generation "
-            "time is the Megatron engine's at the actor's layout)")
+    if cfg.cluster.device == "cpu":
+        return (f"rollout.name={cfg.rollout.name} on CPU: not planned (shared memory or files on the host; the "
+                "plan's vLLM model is for GPUs)")
+    return (f"rollout.name={cfg.rollout.name}: planned below, not in the step time (whose generation is the "
+            "Megatron engine's at the actor's layout)")
+
+
+def vllm_sync(cfg, specs: dict, hw: Hardware, per_node: int, rows: dict) -> dict | None:
+    """rollout.name=vllm on GPUs: the engines (plan/comm.py vllm_engines), one step's weight sync
+    (weight_sync_seconds) and the GPU memory of the generation phase and of the sync, the roles' processes as
+    colocated (the actor's without Megatron's KV cache: vLLM generates) + an engine GPU's; None otherwise, or
+    ``{"error": ...}`` where the engines cannot be laid out."""
+    if cfg.rollout.name != "vllm" or cfg.cluster.device == "cpu":
+        return None
+    v, actor = cfg.rollout.vllm, specs["actor"]
+    try:
+        engines = comm.vllm_engines(actor.layout, per_node, v.tensor_model_parallel_size,
+                                    v.pipeline_model_parallel_size)
+    except ValueError as err:  # the driver's preflight refuses such a layout too
+        return {"error": str(err), "problems": [str(err)]}
+    e = actor.work.param_bytes
+    directory = v.weights_dir or "/dev/shm"
+    spans = len({en.node for en in engines if en.replica == 0}) > 1
+    shared = v.weight_transport == "file" and not directory.startswith("/dev/shm")
+    out = {"engines": len(engines), "engine_tp": sorted({en.tp for en in engines}),
+           "engine_pp": sorted({en.pp for en in engines}), "engine_gpus": sorted({en.gpus for en in engines}),
+           "engines_per_replica": len(engines) // actor.layout.dp, "transport": v.weight_transport,
+           "bucket_mb": v.bucket_mb, "problems": []}
+    if v.weight_transport == "file" and spans and not shared:
+        out["problems"].append(f"weight_transport=file with the actor's replica across nodes needs a shared "
+                               f"rollout.vllm.weights_dir, not {directory}")
+    if v.weight_transport == "file":
+        out["file_system"] = ("shared" if shared else "tmpfs") + f" ({directory})"
+    sync = comm.weight_sync_seconds(actor.arch, actor.layout, engines, per_node, hw, v.weight_transport,
+                                    v.bucket_mb << 20, e, shared_fs=shared)
+    out.update(sync)
+    n = min(en.gpus for en in engines)
+    out["sleep_wake_s"] = comm.sleep_wake_seconds(sync["model_bytes"], n, hw)
+    en = min(engines, key=lambda x: x.gpus)  # the most weights per GPU
+    seqs = -(-actor.work.gen_batch // out["engines_per_replica"])
+    eng = vllm_engine_bytes(actor.arch, en.tp, en.pp, actor.work.seq_len, seqs, e)
+    ctx = context_bytes(hw)
+    roles = 0
+    for role, row in rows.items():
+        m = row.mem
+        transient = m.activations + m.logits if role == "actor" else m.transient
+        roles += m.resident + transient + ctx
+    usable = (hw.gpu_mem_gib - hw.headroom_gib) * GIB
+    gen = roles + eng["weights"] + eng["kv_cache"] + ctx
+    gen_min = roles + eng["weights"] + eng["kv_cache_min"] + ctx
+    during_sync = roles + eng["weights"] + ctx + sync["extra_gpu_bytes"]
+    out["memory"] = {"roles": roles, "engine_weights": eng["weights"], "engine_kv_cache": eng["kv_cache"],
+                     "engine_kv_cache_min": eng["kv_cache_min"], "engine_context": ctx, "sequences_per_engine": seqs,
+                     "generation": gen, "generation_min": gen_min, "sync": during_sync, "usable": usable,
+                     "host_per_node": max(sum(1 for x in engines if x.node == node) for node in
+                                          {x.node for x in engines}) * sync["model_bytes"]}
+    if gen_min > usable:
+        out["problems"].append(f"vLLM engine: the roles' processes {roles / GIB:.1f} + engine weights "
+                               f"{eng['weights'] / GIB:.1f} + one sequence's KV cache {eng['kv_cache_min'] / GIB:.2f}"
+                               f" + context {ctx / GIB:g} GiB = {gen_min / GIB:.1f} > {usable / GIB:g} GiB usable")
+    if during_sync > usable:
+        out["problems"].append(f"weight sync: {during_sync / GIB:.1f} GiB per GPU > {usable / GIB:g} GiB usable")
+    return out
+
+
+def _sync_lines(p: dict | None) -> list[str]:
+    """The vLLM plan (``vllm_sync``) as text."""
+    if p is None:
+        return []
+    if "error" in p:
+        return [f"  vLLM engines: cannot be laid out: {p['error']}"]
+    def g(b):
+        return f"{b / 1e9:.1f} GB"
+
+    def gib(b):
+        return f"{b / GIB:.2f}"
+
+    tp = "/".join(map(str, p["engine_tp"]))
+    pp = "/".join(map(str, p["engine_pp"]))
+    gpus = "/".join(map(str, p["engine_gpus"]))
+    b = p["bytes"]
+    per = {"gather": f"tp0 receives {g(b['gather'])} over NVLink",
+           "relay": (f"a stage's tp0 sends / receives {g(b.get('relay_network', 0))} over the network + "
+                     f"{g(b.get('relay_nvlink', 0))} over NVLink" if p["terms"].get("relay")
+                     else "nothing to relay: each engine's owner holds the whole replica"),
+           "ipc": f"the owner's GPU serves {g(b.get('ipc', 0))} over NVLink (P2P)",
+           "hbm": f"the owner packs the buckets: {g(b.get('hbm', 0) / 2)} read + {g(b.get('hbm', 0) / 2)} written",
+           "d2h": f"tp0 copies {g(b.get('d2h', 0))} to the host over PCIe",
+           "write": f"tp0 writes {g(b.get('write', 0))} ({p.get('file_system', '')})",
+           "read": f"each engine reads {g(b.get('read', 0))} back",
+           "h2d": f"each engine GPU copies {g(b.get('h2d', 0))} over PCIe"}
+    m = p["memory"]
+    lines = [f"  vLLM engines: {p['engines']} of TP{tp} x PP{pp} ({gpus} GPUs each, on one node), "
+             f"{p['engines_per_replica']} per actor replica, each holding the whole model ({g(p['model_bytes'])})",
+             f"  weight sync per step (weight_transport={p['transport']}, {p['bucket_mb']} MiB buckets; the worst "
+             "GPU per term, phases not overlapped; plan/comm.py):"]
+    lines += [f"    {k:<7}{v:7.2f} s  {per[k]}" for k, v in p["terms"].items()]
+    lines += [f"    total  {p['total']:7.2f} s per step; not in it: the engine's sleep + wake-up "
+              f"{p['sleep_wake_s']:.2f} s (its weights to pinned host memory and back over PCIe)",
+              f"  vLLM memory (GiB per GPU): generation = roles' processes {gib(m['roles'])} (the actor's without "
+              f"Megatron's KV cache) + engine weights {gib(m['engine_weights'])} + KV cache "
+              f"{gib(m['engine_kv_cache'])} ({m['sequences_per_engine']} sequences at full length; one: "
+              f"{gib(m['engine_kv_cache_min'])}) + context {gib(m['engine_context'])} = {gib(m['generation'])} of "
+              f"{gib(m['usable'])}; during the sync {gib(m['sync'])} (+ {gib(p['extra_gpu_bytes'])} on an owner: "
+              f"one bucket, + the largest tensor when larger); the sleeping engines' weights in host memory: "
+              f"{g(m['host_per_node'])} per node"]
+    lines += [f"  vLLM: {x}" for x in p["problems"]]
+    return lines
 
 
 def _time_lines(times: dict, comms: dict, hw: Hardware, gpus: int, sync: str) -> list[str]:

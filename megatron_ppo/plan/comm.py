@@ -30,14 +30,43 @@ hidden size, ``t, p, d`` = TP, PP, DP):
   interleaved schedules, which this driver does not use). DP is added too unless ``Hardware.dp_overlap`` says
   which fraction the backward pass hides (Megatron's ``overlap_grad_reduce``; 0 here because
   ``models/training.wrap_ddp`` is called without it).
-* Weight sync from training to generation: none to model for ``rollout.name=megatron`` (the engine decodes with
-  the actor's own shards in their training layout); ``rollout.name=vllm`` (a copy resharded to vLLM's TP through
-  files or IPC) is not modelled, and the planner says so.
+* Weight sync from training to generation: none for ``rollout.name=megatron`` (the engine decodes with the
+  actor's own shards in their training layout). ``rollout.name=vllm``: ``weight_sync_seconds`` below.
+
+Weight sync to vLLM (``vllm_engines``, ``weight_sync_seconds``). The engines: one per node an actor DP replica
+spans, over that replica's GPUs on the node (``engine_tp x engine_pp`` of them; ``engine_tp`` null = those GPUs /
+``engine_pp``), each holding the whole model; Ray fills nodes in rank order, so node = rank // gpus_per_node. Its
+owner is the tp0 rank of the replica's last stage on that node. ``B`` = the model's HF bytes, ``S_s`` = stage
+``s``'s, ``n`` = an engine's GPUs. Per step, phases one bucket at a time and never overlapped, so the time is the
+sum of the terms, each the worst GPU's:
+
+* ``gather`` (both transports): every parameter gathered over TP to its stage's tp0 only: tp0 receives
+  ``(t-1)/t S_s`` over NVLink (TP groups sit inside a node).
+* ``weight_transport=ipc``: ``relay``: each stage's tp0 sends its ``S_s`` to every other owner of its replica and
+  an owner receives every stage it does not hold, ``B - S_own``: ``max(sent, received)`` per link (full duplex),
+  the network (``inter_node_gbs``, one NIC per GPU) to owners on other nodes plus NVLink inside one; ``ipc``: the
+  engine's workers read their ``1/n`` shard of each bucket from the owner's GPU (CUDA IPC, P2P over NVLink): the
+  owner serves ``(n-1)/n B``; ``hbm``: the owner packs the model into buckets, one read + one write of ``B`` at
+  ``hbm_tbps``.
+* ``weight_transport=file``: ``d2h``: each stage's tp0 copies ``S_s`` to the host over PCIe (``pcie_gbs``);
+  ``write``: ``S_s`` into ``weights_dir``; ``read``: each engine reads ``B`` back; ``h2d``: each worker copies its
+  ``B/n`` over its PCIe link. File bandwidth per stream is an assumption (``Hardware.tmpfs_gbs`` for /dev/shm,
+  ``shared_fs_gbs`` otherwise: a replica across nodes needs a shared directory); concurrent streams on one node or
+  one file system are not divided (the aggregate ``engines x B`` read per step is printed to set against the file
+  system's own).
+* Extra GPU memory on a writer / owner during the sync: one bucket, + the largest single tensor when it exceeds
+  the bucket (a tensor larger than a bucket travels alone).
+
+Bandwidth only, peak link rates, as above: a lower bound. Latency per bucket and vLLM's ``load_weights`` bookkeeping
+are not counted. Not in the sync but per step too (``sleep_wake_seconds``): the engine's sleep (level 1: its
+``B/n`` weights to pinned host memory) and wake-up (back), over PCIe.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megatron_ppo.models.arch import ModelArch
-from megatron_ppo.plan.memory import Hardware, Layout
+from megatron_ppo.plan.memory import Hardware, Layout, layer_params
 
 
 def ring_factor(collective: str, n: int) -> float:
@@ -115,8 +144,124 @@ def generate_seconds(arch: ModelArch, layout: Layout, tokens: float, e: int, hw:
     return {"tp": tp, "pp": pp, "dp": 0.0}
 
 
+def hf_stage_bytes(arch: ModelArch, pp: int, e: int) -> list[int]:
+    """Bytes of each pipeline stage's weights as the sync exports them (HF names, TP-gathered, the vocabulary
+    padding dropped, tied embeddings once): they add up to ``arch.num_parameters() x e``."""
+    layers = arch.num_layers // pp
+    emb = arch.vocab_size * arch.hidden_size
+    out = []
+    for s in range(pp):
+        n = layers * layer_params(arch, 1)
+        n += emb if s == 0 else 0
+        if s == pp - 1:
+            n += arch.hidden_size + (0 if arch.tie_word_embeddings else emb)
+        out.append(n * e)
+    return out
+
+
+def largest_tensor_bytes(arch: ModelArch, e: int) -> int:
+    """The largest single tensor a sync moves: the embedding / LM head, or a layer's fused (gathered) QKV or fc1."""
+    h, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
+    qkv = (q + 2 * arch.num_query_groups * arch.head_dim) * h
+    fc1 = (2 if arch.activation == "swiglu" else 1) * arch.ffn_hidden_size * h
+    return max(arch.vocab_size * h, qkv, fc1, q * h) * e
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One vLLM engine: actor DP replica ``replica``'s GPUs on ``node``, holding the stages ``stages`` there; the
+    tp0 rank of ``stages[-1]`` (the highest there, as rollout/vllm_layout.py picks) owns it: its buckets feed it."""
+    replica: int
+    node: int
+    stages: tuple[int, ...]
+    tp: int
+    pp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+
+def vllm_engines(layout: Layout, gpus_per_node: int, engine_tp: int | None = None,
+                 engine_pp: int = 1) -> list[Engine]:
+    """An engine per node each actor DP replica spans, over the replica's GPUs there (Megatron's rank order
+    ``tp + TP*dp + TP*DP*pp``, nodes filled in rank order). ValueError, with the numbers, where the engine's
+    TP x PP is not the replica's GPUs on a node (the driver's preflight refuses it) or a TP group spans nodes."""
+    t, d = layout.tp, layout.dp
+    if t > gpus_per_node or gpus_per_node % t:
+        raise ValueError(f"actor TP{t} does not fit whole in a node of {gpus_per_node} GPUs: a TP group would "
+                         "span nodes")
+    engines = []
+    for r in range(d):
+        nodes: dict[int, list[int]] = {}
+        for s in range(layout.pp):
+            nodes.setdefault((t * r + t * d * s) // gpus_per_node, []).append(s)
+        for node, stages in sorted(nodes.items()):
+            gpus = t * len(stages)
+            etp = engine_tp if engine_tp is not None else gpus // engine_pp
+            if etp * engine_pp != gpus:
+                raise ValueError(f"rollout.vllm: tensor_model_parallel_size {etp} x pipeline_model_parallel_size "
+                                 f"{engine_pp} = {etp * engine_pp} GPUs, but actor replica {r} holds {gpus} GPUs on "
+                                 f"node {node} (TP{t} x {len(stages)} stage(s))")
+            engines.append(Engine(r, node, tuple(stages), etp, engine_pp))
+    return engines
+
+
+def weight_sync_seconds(arch: ModelArch, layout: Layout, engines: list[Engine], gpus_per_node: int, hw: Hardware,
+                        transport: str, bucket_bytes: int, e: int, shared_fs: bool = False) -> dict:
+    """One step's weight sync to the engines (the module's formula): ``terms`` in seconds (their sum is
+    ``total``), the bytes per GPU behind each (``bytes``, the worst GPU's), ``extra_gpu_bytes`` held during it."""
+    if transport not in ("ipc", "file"):
+        raise ValueError(f"weight_sync_seconds: transport {transport!r} is not ipc or file")
+    t, d = layout.tp, layout.dp
+    stage = hf_stage_bytes(arch, layout.pp, e)
+    model = sum(stage)
+    node_of = {(r, s): (t * r + t * d * s) // gpus_per_node for r in range(d) for s in range(layout.pp)}
+    nv, net, pcie = hw.intra_node_gbs * 1e9, hw.inter_node_gbs * 1e9, hw.pcie_gbs * 1e9
+    volume = {"gather": (t - 1) / t * max(stage)}
+    terms = {"gather": volume["gather"] / nv}
+    n = max(en.gpus for en in engines)
+    if transport == "ipc":
+        owners = {(en.replica, en.stages[-1]): en for en in engines}
+        worst, worst_bytes = 0.0, {"relay_network": 0.0, "relay_nvlink": 0.0}
+        for (r, s), node in node_of.items():  # every stage's tp0 GPU
+            out = {"net": 0.0, "nv": 0.0}
+            into = {"net": 0.0, "nv": 0.0}
+            for (r2, s2), en in owners.items():
+                if r2 == r and s2 != s:
+                    out["net" if en.node != node else "nv"] += stage[s]
+            own = owners.get((r, s))
+            if own is not None:
+                for s2 in range(layout.pp):
+                    if s2 != s:
+                        into["net" if node_of[(r, s2)] != node else "nv"] += stage[s2]
+            link = {k: max(out[k], into[k]) for k in out}
+            sec = link["net"] / net + link["nv"] / nv
+            if sec >= worst:
+                worst, worst_bytes = sec, {"relay_network": link["net"], "relay_nvlink": link["nv"]}
+        volume.update(worst_bytes)
+        volume["ipc"] = (n - 1) / n * model
+        volume["hbm"] = 2 * model
+        terms.update(relay=worst, ipc=volume["ipc"] / nv, hbm=volume["hbm"] / (hw.hbm_tbps * 1e12))
+    else:
+        fs = (hw.shared_fs_gbs if shared_fs else hw.tmpfs_gbs) * 1e9
+        volume.update(d2h=max(stage), write=max(stage), read=model, h2d=model / min(en.gpus for en in engines))
+        terms.update(d2h=volume["d2h"] / pcie, write=volume["write"] / fs, read=volume["read"] / fs,
+                     h2d=volume["h2d"] / pcie)
+    big = largest_tensor_bytes(arch, e)
+    return {"terms": terms, "total": sum(terms.values()), "bytes": volume, "model_bytes": model,
+            "extra_gpu_bytes": bucket_bytes + (big if big > bucket_bytes else 0)}
+
+
+def sleep_wake_seconds(model_bytes: int, engine_gpus: int, hw: Hardware) -> float:
+    """Per step, outside the sync: vLLM sleep level 1 moves an engine GPU's ``B/n`` weights to pinned host memory
+    after the rollout and back at wake-up, over PCIe."""
+    return 2 * model_bytes / engine_gpus / (hw.pcie_gbs * 1e9)
+
+
 ASSUMPTIONS = ("bandwidth only (no latency), ring collectives; TP and PP added to the compute (not overlapped); DP "
                "added x (1 - dp_overlap)")
 
 __all__ = ["ring_factor", "spans_nodes", "bandwidth", "tp_seconds", "pp_seconds", "dp_seconds", "generate_seconds",
-           "ASSUMPTIONS"]
+           "Engine", "vllm_engines", "hf_stage_bytes", "largest_tensor_bytes", "weight_sync_seconds",
+           "sleep_wake_seconds", "ASSUMPTIONS"]

@@ -248,11 +248,18 @@ class Hardware:
     inter_node_gbs: float = 50.0
     dp_overlap: float = 0.0      # share of the DP gradient/parameter collectives hidden behind the backward pass
     #                              (Megatron overlap_grad_reduce); 0: this driver's wrap_ddp does not overlap
+    # Weight sync to vLLM (plan/comm.py weight_sync_seconds). Host link of an H100/H200 SXM: PCIe Gen5 x16, 64 GB/s
+    # per direction nominal; 50 assumed for pinned copies. File bandwidth per stream, ASSUMPTIONS, not measured: one
+    # process's memcpy into or out of /dev/shm's page cache (tmpfs), and one client stream of a parallel file system
+    # (Lustre / GPFS / WEKA on a 100-200 Gb/s storage NIC; an NFS mount is slower, 1-2 GB/s).
+    pcie_gbs: float = 50.0
+    tmpfs_gbs: float = 10.0
+    shared_fs_gbs: float = 5.0
 
     def __post_init__(self):
         if not 0.0 <= self.dp_overlap <= 1.0:
             raise ValueError(f"Hardware: dp_overlap must be in [0, 1], got {self.dp_overlap}")
-        for name in ("intra_node_gbs", "inter_node_gbs"):
+        for name in ("intra_node_gbs", "inter_node_gbs", "pcie_gbs", "tmpfs_gbs", "shared_fs_gbs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Hardware: {name} must be > 0, got {getattr(self, name)}")
         if self.cuda_context_gib < 0:
@@ -266,3 +273,13 @@ def phase_seconds(flops: float, gpus: int, hw: Hardware) -> float:
 def decode_seconds(steps: int, bytes_read_per_gpu: float, hw: Hardware) -> float:
     """Memory-bound decoding: every step reads the rank's weights and KV cache once."""
     return steps * bytes_read_per_gpu / (hw.hbm_tbps * 1e12)
+
+
+def vllm_engine_bytes(arch: ModelArch, engine_tp: int, engine_pp: int, seq_len: int, seqs: int, e: int) -> dict:
+    """Per GPU of a vLLM engine while it generates (asleep, level 1, while the actor trains: weights on the host,
+    KV cache freed): the model / (TP x PP), and the KV cache of ``seqs`` sequences of ``seq_len`` (``kv_cache``)
+    and of one (``kv_cache_min``: below that vLLM refuses to start). vLLM's activations and CUDA graphs are not
+    counted."""
+    per_token = 2 * (arch.num_layers // engine_pp) * math.ceil(arch.num_query_groups / engine_tp) * arch.head_dim * e
+    return {"weights": arch.num_parameters() * e // (engine_tp * engine_pp),
+            "kv_cache": per_token * seq_len * seqs, "kv_cache_min": per_token * seq_len}
