@@ -6,8 +6,9 @@ fused QKV is split per query group, SwiGLU's fc1 into gate and up, the vocabular
 embeddings export ``model.embed_tokens.weight`` only (as the HF checkpoint holds them) and the manifest says
 ``tie_word_embeddings``: the engine must re-tie its lm_head.
 
-Every TP rank of a stage takes part in the gathers (collectives); only the first TP and DP rank of each pipeline
-stage writes, so nothing is gathered over PP and each stage's bytes go to disk once. On CPU the directory lives on
+Every TP rank of a stage sends its shards to the stage's first TP rank (a gather, not an all-gather: only that rank
+writes or shares); only the first TP and DP rank of each pipeline stage writes, so nothing is gathered over PP and
+each stage's bytes go to disk once. weight_buckets.py hands the same tensors over in memory, a bucket at a time. On CPU the directory lives on
 /dev/shm where it exists (docs/rollout.md).
 """
 from __future__ import annotations
@@ -48,24 +49,31 @@ def _tensor_maps(arch) -> dict[tuple[str, int | None], M.TensorMap]:
     return {(m.mcore_key, m.layer): m for piece in M.conversion_pieces(arch, tp=1) for m in piece.maps}
 
 
-def _gather_tp(param: torch.Tensor) -> torch.Tensor:
-    """The full (TP=1) tensor of a parameter from its TP shards, by megatron's partition attributes."""
+def _gather_tp(param: torch.Tensor) -> torch.Tensor | None:
+    """The full (TP=1) tensor of a parameter from its TP shards, by megatron's partition attributes, on the TP
+    group's first rank only (it alone writes or shares): ``None`` on the others, which send their shard."""
     from megatron.core import parallel_state
 
     t = param.detach()
     world = parallel_state.get_tensor_model_parallel_world_size()
     if not getattr(param, "tensor_model_parallel", False) or world == 1:
-        return t
+        return t if parallel_state.get_tensor_model_parallel_rank() == 0 else None
+    group = parallel_state.get_tensor_model_parallel_group()
+    first = dist.get_global_rank(group, 0)
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        dist.gather(t.contiguous(), None, dst=first, group=group)
+        return None
     parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.gather(t.contiguous(), parts, dst=first, group=group)
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
     chunks = [torch.chunk(p, stride, dim=dim) for p in parts]  # SwiGLU fc1: each shard is [gate_r; up_r]
     return torch.cat([chunks[r][s] for s in range(stride) for r in range(world)], dim=dim)
 
 
 def stage_hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """This pipeline stage's parameters under HF names (full TP=1 tensors, the model's dtype), in parameter order.
-    A collective over the stage's TP group: every TP rank must iterate it to the end."""
+    """This pipeline stage's parameters under HF names (full TP=1 tensors, the model's dtype), in parameter order,
+    on the stage's first TP rank; the other TP ranks only send their shards and yield nothing. A collective over
+    the stage's TP group: every TP rank must iterate it to the end."""
     core = unwrap_model(model)
     arch = core.arch
     if M.has_score_head(arch) or roles.spec(getattr(core, "role", "actor")).value_model:
@@ -88,8 +96,10 @@ def stage_hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         if m is None:
             raise KeyError(f"stage_hf_weights: parameter {name!r} (Megatron key {key}, layer {layer}) is not in the "
                            "converter's mapping for this architecture")
-        tensors, _ = M.to_hf(m, _gather_tp(param), arch)
-        yield from tensors.items()
+        full = _gather_tp(param)
+        if full is not None:
+            tensors, _ = M.to_hf(m, full, arch)
+            yield from tensors.items()
 
 
 def write_weights(model, directory: str, version: int, bucket_bytes: int = 512 << 20,
@@ -97,7 +107,8 @@ def write_weights(model, directory: str, version: int, bucket_bytes: int = 512 <
     """Write this stage's HF weights into ``directory`` as safetensors buckets of at most ``bucket_bytes`` (a
     tensor larger than that gets a bucket of its own), named by stage; returns the files this rank wrote (none on
     a rank other than the stage's first TP rank of the first DP replica, or of every replica with
-    ``per_replica``: each replica's engine reads its own directory, on its own node). Call on every rank of the
+    ``per_replica``: each replica's engine reads its own directory, on its own node). The stage's files of other
+    versions are removed first, so a directory never holds two versions' weights. Call on every rank of the
     actor; then ``finish_sync`` on one rank (per replica)."""
     from megatron.core import parallel_state
     from safetensors.torch import save_file
@@ -106,6 +117,12 @@ def write_weights(model, directory: str, version: int, bucket_bytes: int = 512 <
     writer = parallel_state.get_tensor_model_parallel_rank() == 0 and (
         per_replica or parallel_state.get_data_parallel_rank() == 0)
     os.makedirs(directory, exist_ok=True)
+    if writer:  # older versions of this stage first: an engine that loaded them no longer reads them
+        mine = re.compile(rf"^v(\d+)-stage{stage:03d}-\d+\.safetensors(\.tmp)?$")
+        for name in os.listdir(directory):
+            m = mine.match(name)
+            if m and int(m.group(1)) != version:
+                os.remove(os.path.join(directory, name))
     files, bucket, size = [], {}, 0
 
     def flush():
@@ -125,32 +142,6 @@ def write_weights(model, directory: str, version: int, bucket_bytes: int = 512 <
         size += nbytes
     flush()
     return files
-
-
-def share_weights(model) -> tuple[list[tuple[str, tuple]], list[torch.Tensor]]:
-    """This stage's HF weights as handles another process on this node rebuilds without a copy through disk:
-    CUDA IPC handles on a GPU, shared-memory names on the CPU (torch.multiprocessing's reductions; the
-    ``file_system`` strategy, so an unrelated process can open them). Returns (name, (rebuild_fn, args)) pairs
-    and the tensors behind them, which must stay alive until the engine has loaded them; both empty on a rank
-    other than the stage's first TP rank. A collective over the stage's TP group, like ``stage_hf_weights``."""
-    import torch.multiprocessing as mp
-    from megatron.core import parallel_state
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    writer = parallel_state.get_tensor_model_parallel_rank() == 0
-    handles, keep = [], []
-    for name, tensor in stage_hf_weights(model):
-        if not writer:
-            continue
-        if tensor.device.type == "cpu":  # one copy, straight into shared memory
-            mp.set_sharing_strategy("file_system")
-            t = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
-            t.copy_(tensor)
-        else:
-            t = tensor.detach().clone()  # never the live parameter: the copy is what the engine reads
-        handles.append((name, reduce_tensor(t)))
-        keep.append(t)
-    return handles, keep
 
 
 def check_complete(names: list[str], arch, version: int, where: str) -> None:
@@ -184,7 +175,7 @@ def finish_sync(directory: str, version: int, files: list[str], arch) -> dict:
                          f"{sorted(set(names) - expected)[:5]}")
     manifest = {"version": version, "files": sorted(os.path.basename(p) for p in files),
                 "tensors": names, "tie_word_embeddings": bool(arch.tie_word_embeddings)}
-    tmp = os.path.join(directory, MANIFEST + ".tmp")
+    tmp = os.path.join(directory, f"{MANIFEST}.{os.getpid()}.tmp")  # several engine owners may write it
     with open(tmp, "w") as f:
         json.dump(manifest, f)
     os.replace(tmp, os.path.join(directory, MANIFEST))

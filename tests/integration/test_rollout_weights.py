@@ -124,38 +124,89 @@ def test_sharded_actor_exports_the_same_weights(dist_pool2, hf_models, tmp_path,
     _assert_same(got, _hf_tensors(hf_dir))
 
 
-def _rebuild_elsewhere(handles) -> dict:
-    """The shared tensors as another interpreter on this node rebuilds them (what the vLLM process does)."""
+def _rebuild_elsewhere(buckets) -> dict:
+    """The shared buckets as another interpreter on this node rebuilds them (what a vLLM worker does)."""
     import pickle
     import subprocess
     import sys
 
     script = ("import pickle, sys, torch, torch.multiprocessing as mp\n"
+              "from megatron_ppo.rollout.weight_buckets import tensors_of\n"
               "mp.set_sharing_strategy('file_system')\n"
-              "pairs = pickle.loads(sys.stdin.buffer.read())\n"
-              "sys.stdout.buffer.write(pickle.dumps({n: fn(*a).clone() for n, (fn, a) in pairs}))\n")
-    out = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(handles), capture_output=True,
+              "out = {}\n"
+              "for (fn, args), meta in pickle.loads(sys.stdin.buffer.read()):\n"
+              "    out.update({n: t.clone() for n, t in tensors_of(fn(*args), meta)})\n"
+              "sys.stdout.buffer.write(pickle.dumps(out))\n")
+    out = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(buckets), capture_output=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     return pickle.loads(out.stdout)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_shared_weights_are_the_export_and_never_the_live_parameters(megatron_single, hf_models, kind):
-    """weight_transport=ipc: the handles another process opens are the HF checkpoint's tensors; changing the model
-    afterwards does not change what was shared (a copy, not the parameters)."""
-    from megatron_ppo.rollout.weights import check_complete, share_weights
+def test_shared_buckets_are_the_export_and_never_the_live_parameters(megatron_single, hf_models, kind):
+    """weight_transport=ipc: the buckets another process opens hold the HF checkpoint's tensors; changing the model
+    afterwards does not change what was shared (a copy, not the parameters); check_complete refuses a repeat or a
+    gap."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from megatron_ppo.rollout.weight_buckets import stage_buckets
+    from megatron_ppo.rollout.weights import check_complete
 
     hf_dir = hf_models[kind]
     model, arch = _actor(hf_dir)
-    handles, keep = share_weights(model)
-    check_complete([name for name, _ in handles], arch, 1, "test")
+    buckets = list(stage_buckets(model, 64 << 10, shared=True))
+    assert len(buckets) > 1
+    handles = [(reduce_tensor(b.flat[:b.used]), b.meta()) for b in buckets]
+    names = [n for b in buckets for n in b.names]
+    check_complete(names, arch, 1, "test")
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
     _assert_same(_rebuild_elsewhere(handles), _hf_tensors(hf_dir))
     with pytest.raises(ValueError, match=r"repeated \['model.norm.weight'\]"):
-        check_complete([name for name, _ in handles] + ["model.norm.weight"], arch, 1, "test")
+        check_complete(names + ["model.norm.weight"], arch, 1, "test")
     with pytest.raises(ValueError, match="missing"):
-        check_complete([name for name, _ in handles][1:], arch, 1, "test")
-    del keep
+        check_complete(names[1:], arch, 1, "test")
+
+
+def _job_relay(rank, world, layout, hf_dir, owners, bucket_bytes):
+    from megatron_ppo import parallel
+    from megatron_ppo.rollout.weight_buckets import relay_buckets, tensors_of
+
+    tp, pp = {"tp2": (2, 1), "pp2": (1, 2)}[layout]
+    parallel.initialize(tp=tp, pp=pp, seed=7)
+    try:
+        model, _ = _actor(hf_dir)
+        got, sizes = {}, []
+
+        def hand(flat, meta):
+            sizes.append(flat.numel())
+            got.update({n: t.clone() for n, t in tensors_of(flat, meta)})
+
+        out = relay_buckets(model, bucket_bytes, owners, hand if rank in owners else None)
+        return got, sizes, out
+    finally:
+        parallel.destroy(destroy_process_group=False)
+
+
+@pytest.mark.slow  # two ranks
+@pytest.mark.parametrize("layout,owners", [("tp2", [0]), ("pp2", [1]), ("pp2", [0, 1])])
+def test_buckets_relayed_over_the_pipeline_reach_every_owner_one_bucket_at_a_time(dist_pool2, hf_models, layout,
+                                                                                  owners):
+    """weight_transport=ipc's path without vLLM: every engine owner of a replica (the last stage's first TP rank;
+    with an engine per node, every stage's) receives every HF tensor of the checkpoint exactly, the other stages'
+    by point-to-point relay; TP shards are gathered to the first TP rank only; no bucket is larger than the bucket
+    size or the largest single tensor."""
+    hf_dir = hf_models["llama"]
+    want = _hf_tensors(hf_dir)
+    bucket = 48 << 10
+    largest = max(t.numel() * t.element_size() for t in want.values())
+    results = dist_pool2.run(_job_relay, layout, hf_dir, owners, bucket)
+    for rank, (got, sizes, out) in enumerate(results):
+        if rank not in owners:
+            assert not got and not sizes and out == {"names": [], "peak_bucket_bytes": 0} or not got, rank
+            continue
+        _assert_same(got, want)
+        assert len(sizes) > 2 and max(sizes) <= max(bucket, largest), (rank, sizes)
+        assert sorted(out["names"]) == sorted(want)
