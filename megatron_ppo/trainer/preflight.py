@@ -303,8 +303,10 @@ def run_preflight(cfg) -> dict:
     check_model_paths(cfg)
     if cfg.rollout.name == "vllm":
         from megatron_ppo.rollout.vllm import check_vllm_python
+        from megatron_ppo.rollout.vllm_layout import check_engine_layout
 
         try:
+            check_engine_layout(cfg)  # the engines' TP x PP against the replicas' GPUs; a shared weights_dir
             check_vllm_python(cfg.rollout.vllm)
         except UsageError as e:
             raise PreflightError(str(e)) from e
