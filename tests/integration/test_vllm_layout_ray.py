@@ -1,5 +1,5 @@
 """The vLLM engines' GPUs on a real Ray cluster (issue 48 item 1), without a GPU and without starting vLLM: a local
-Ray cluster that declares 4 GPUs (Ray assigns CUDA_VISIBLE_DEVICES to GPU actors on a CPU machine too), the
+Ray cluster that declares 8 GPUs (Ray assigns CUDA_VISIBLE_DEVICES to GPU actors on a CPU machine too), the
 product's placement and RayWorkerGroup with one GPU per rank, and a probe worker whose ranks gather their devices
 (rollout/vllm_layout.gather_rank_devices, a collective), plan the engines and build the owner's engine environment.
 Checked for a TP2 x DP2 and a PP2 x DP2 actor: each engine's CUDA_VISIBLE_DEVICES is exactly the GPUs Ray gave its
@@ -44,7 +44,7 @@ class EngineProbe:
 
 @pytest.fixture(scope="module")
 def answers():
-    """Both layouts' probe answers, their groups started side by side (half the wall time on 2 cores)."""
+    """Both layouts' probe answers, from one Ray session (their groups start side by side)."""
     from concurrent.futures import ThreadPoolExecutor
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
