@@ -294,9 +294,12 @@ class VllmRolloutConfig:
     enforce_eager: Optional[bool] = field(None, "no CUDA graphs (faster start, slower decode); null: False on a "
                                           "GPU (CUDA graphs, verl's default), True on CPU")
     weight_transport: Literal["file", "ipc"] = field(
-        "file", "weight sync: file = safetensors on weights_dir (any node layout); ipc = tensors shared with the "
-        "engine process (CUDA IPC on a GPU, shared memory on the CPU; the engine on the replica's node)", None)
-    bucket_mb: int = field(512, "weight sync: safetensors bucket size (weight_transport=file)", None)
+        "ipc", "weight sync: ipc = buckets handed to each engine in memory (CUDA IPC on a GPU, shared memory on the "
+        "CPU; other pipeline stages' buckets relayed to the engine's owner over torch.distributed: any node "
+        "layout); file = safetensors on weights_dir (a shared file system when a replica spans nodes)", None)
+    bucket_mb: int = field(512, "weight sync: the bucket size (ipc: the extra memory a sync holds, or the "
+                           "largest tensor if larger; file: the safetensors file size)",
+                           "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes")
     weights_dir: Optional[str] = field(None, "weight sync: directory of the per-replica weight files (default "
                                        "/dev/shm; must be shared by a replica's nodes when its pipeline spans "
                                        "nodes)", None)

@@ -1,20 +1,22 @@
-"""The vLLM rollout engine (``rollout.name=vllm``): one vLLM process per actor DP replica, in its own virtualenv
-(``make setup-vllm``: vLLM pins a transformers that verl, our test oracle, refuses), weights synced by file from
-the actor after every update.
+"""The vLLM rollout engine (``rollout.name=vllm``): one vLLM process per node an actor DP replica spans, over the
+replica's GPUs there (rollout/vllm_layout.py; one per replica on one node, on CPU always one), in its own
+virtualenv (``make setup-vllm``: vLLM pins a transformers that verl, our test oracle, refuses), weights handed over
+from the actor after every update.
 
 Why managed subprocesses, not Ray actors: the actor's ranks run on Ray or on torchrun (launcher=local), and a Ray
-actor with another Python needs Ray of the same version inside the vLLM venv; a child process of the replica's
-representative rank (tp0, last pipeline stage: the rank whose answer the driver keeps) needs only the venv's
-Python, sits on that rank's node (where its GPU and /dev/shm are), and dies with it (the socket closes, its parent
-changes). docs/rollout.md, "The vLLM engine".
+actor with another Python needs Ray of the same version inside the vLLM venv; a child process of the engine's owner
+rank (a first-TP rank on the engine's node; on the representative's node the representative, tp0 of the last
+stage, whose answer the driver keeps) needs only the venv's Python, sits on that rank's node (where its GPUs and
+/dev/shm are), and dies with it (the socket closes, its parent changes). docs/rollout.md, "The vLLM engine".
 
-Each step: the actor updates (its ``weights_version`` grows), then ``sync_weights`` on every actor rank: the TP
-shards are gathered under HF names by the converter's mapping (rollout/weights.py) and handed over
-(rollout.vllm.weight_transport): ``file``, safetensors buckets in one directory per DP replica (the replica's tp0
-ranks agree on the files over the pipeline group; the representative writes the manifest and asks its engine to
-load that version), or ``ipc``, tensors shared with the engine process (CUDA IPC on a GPU, shared memory on the
-CPU), loaded before the stages free them. The engine starts from files either way. ``generate`` refuses an engine whose version is not the
-actor's (``StaleWeightsError``): an engine never generates with an old policy.
+Each step: the actor updates (its ``weights_version`` grows), then ``sync_weights`` on every actor rank hands the
+weights over (rollout.vllm.weight_transport): ``ipc``, buckets in memory (rollout/weight_buckets.py: gathered to
+each stage's first TP rank, relayed stage by stage to every engine owner, shared with the engine's workers one
+bucket at a time through vllm_channel.py: CUDA IPC on a GPU, shared memory on the CPU), or ``file``, safetensors
+in one directory per DP replica (the replica's tp0 ranks agree on the files over the pipeline group; each owner
+writes the manifest and asks its engine to load that version). The engines start from files either way. On a GPU
+an engine sleeps while the actor trains (rollout/vllm_settings.py). ``generate`` refuses an engine whose version is
+not the actor's (``StaleWeightsError``): an engine never generates with an old policy.
 """
 from __future__ import annotations
 
@@ -34,10 +36,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_ppo import parallel
+from megatron_ppo.distributed.layout import RankLayout
 from megatron_ppo.errors import UsageError
 from megatron_ppo.rollout.base import GenerationOutput, SamplingParams
-from megatron_ppo.rollout.weights import (StaleWeightsError, check_complete, finish_sync, share_weights,
-                                          write_hf_config, write_weights)
+from megatron_ppo.rollout.vllm_channel import BucketChannel
+from megatron_ppo.rollout.vllm_layout import engine_env, engine_for_rank, gather_rank_devices, plan_engines, rows_of
+from megatron_ppo.rollout.vllm_settings import engine_options, kv_bytes_per_token, memory_fraction
+from megatron_ppo.rollout.weight_buckets import relay_buckets
+from megatron_ppo.rollout.weights import StaleWeightsError, check_complete, finish_sync, write_hf_config, write_weights
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +212,22 @@ def _shared_base_dir(engine_cfg) -> str:
     return name[0]
 
 
+def _gpu_memory() -> tuple[int, int] | None:
+    """(free, total) bytes of this rank's GPU; None without one."""
+    return tuple(torch.cuda.mem_get_info()) if torch.cuda.is_available() else None
+
+
+def _all_ranks(value) -> list:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 class VllmEngine:
-    """``RolloutEngine`` backed by a vLLM process per DP replica, owned by the replica's representative rank."""
+    """``RolloutEngine`` backed by vLLM processes: one per node an actor DP replica spans, over the replica's GPUs on
+    that node (rollout/vllm_layout.py), each owned by a first-TP rank on that node."""
 
     def __init__(self, worker, cfg):
         from megatron_ppo.models.unwrap import unwrap_model
@@ -215,21 +235,29 @@ class VllmEngine:
         self.worker, self.cfg, self.engine_cfg = worker, cfg, cfg.rollout.vllm
         self.arch = unwrap_model(worker.model).arch
         head_dim = self.arch.kv_channels or self.arch.hidden_size // self.arch.num_attention_heads
-        if not torch.cuda.is_available() and head_dim not in CPU_HEAD_DIMS:
+        self.on_gpu = torch.cuda.is_available()
+        if not self.on_gpu and head_dim not in CPU_HEAD_DIMS:
             raise UsageError(f"rollout.name=vllm on CPU: vLLM's CPU attention takes head dims {CPU_HEAD_DIMS}; the "
                              f"actor's is {head_dim} (hidden_size / num_attention_heads, or kv_channels)")
+        self.options = engine_options(cfg, self.on_gpu)
         self.base_dir = _shared_base_dir(self.engine_cfg)
         self.dp = parallel.dp_rank()
         self.directory = os.path.join(self.base_dir, f"dp{self.dp:03d}")
-        self.owner = parallel.tp_rank() == 0 and parallel.is_last_stage()
+        self.representative = parallel.tp_rank() == 0 and parallel.is_last_stage()  # the driver keeps its answer
         self.stage_writer = parallel.tp_rank() == 0
+        self.replica: list = []  # this replica's engines (EnginePlacement), set at the start
+        self.engine = None  # the EnginePlacement this rank owns, if any
         self.name = f"vLLM engine of actor replica dp{self.dp}"
-        self.version = None  # the weights version this replica's engine holds (the same on every rank)
+        self.version = None  # the weights version this replica's engines hold (the same on every rank)
         self.process: EngineProcess | None = None
-        self.pending = None  # (the generate message on the owner, else None; its SamplingParams) until collected
+        self.asleep = False
+        self.pending = None  # (the generate message on an owner, else None; its SamplingParams) until collected
         self.export_seconds = self.load_seconds = 0.0
-        if self.owner:
-            atexit.register(self.close)
+        self.peak_bucket_bytes = 0
+
+    @property
+    def owner(self) -> bool:
+        return self.engine is not None
 
     # -------------------------------------------------------------------------------------------- weights
     def _stages(self, mine: list) -> list:
@@ -243,8 +271,8 @@ class VllmEngine:
         return [item for stage in gathered for item in stage]
 
     def _export(self, version: int) -> list[str]:
-        """Every rank: this replica's weights of ``version`` into its directory; returns (on the owner) all
-        stages' files."""
+        """Every rank: this replica's weights of ``version`` into its directory; returns (on the first TP ranks)
+        all stages' files."""
         start = time.perf_counter()
         files = self._stages(write_weights(self.worker.module, self.directory, version, per_replica=True,
                                            bucket_bytes=int(self.engine_cfg.bucket_mb) << 20))
@@ -252,8 +280,10 @@ class VllmEngine:
         return files
 
     def _hand_over(self, version: int) -> None:
-        """Every rank: the weights of ``version`` to the running engine, by file or by shared tensors
+        """Every rank: the weights of ``version`` to the running engines, by file or bucket by bucket in memory
         (rollout.vllm.weight_transport)."""
+        if self.owner and self.asleep:
+            self._call({"op": "wake_up", "tags": ["weights"]}, self.engine_cfg.start_timeout_s)  # KV cache stays freed
         if self.engine_cfg.weight_transport == "file":
             files = self._export(version)
             if self.owner:
@@ -261,33 +291,70 @@ class VllmEngine:
                 finish_sync(self.directory, version, files, self.arch)
                 self._call({"op": "load", "directory": self.directory, "version": version},
                            self.engine_cfg.start_timeout_s)
-                self._prune(version)
                 self.load_seconds = time.perf_counter() - start
-            return
+        else:
+            self._hand_over_buckets(version)
+        if self.owner and self.asleep:
+            self._call({"op": "wake_up", "tags": ["kv_cache"]}, self.engine_cfg.start_timeout_s)
+            self.asleep = False
+
+    def _hand_over_buckets(self, version: int) -> None:
+        """weight_transport=ipc: the replica's stages relay their buckets to every engine owner, which hands each
+        to its engine's workers and waits until they have loaded it (weight_buckets.relay_buckets)."""
         start = time.perf_counter()
-        handles, keep = share_weights(self.worker.module)
-        handles = self._stages(handles)
-        self.export_seconds = time.perf_counter() - start
+        channel, msg = None, None
         if self.owner:
-            start = time.perf_counter()
-            check_complete([name for name, _ in handles], self.arch, version, "shared tensors")
-            self._call({"op": "load_shared", "version": version, "tensors": handles,
-                        "tie": bool(self.arch.tie_word_embeddings)}, self.engine_cfg.start_timeout_s)
-            self.load_seconds = time.perf_counter() - start
-        if parallel.pp_size() > 1 and self.stage_writer:  # the other stages' tensors live until the engine has them
-            from megatron.core import parallel_state
+            channel = BucketChannel(self.directory, self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size,
+                                    self.process, self.engine_cfg.start_timeout_s)
+            msg = {"op": "load_buckets", "address": channel.address, "authkey": channel.authkey, "version": version,
+                   "tie": bool(self.arch.tie_word_embeddings)}
+            self._send(msg)
+        try:
+            got = relay_buckets(self.worker.module, int(self.engine_cfg.bucket_mb) << 20,
+                                [e.owner for e in self.replica], channel.send if channel else None)
+            if channel is not None:
+                check_complete(got["names"], self.arch, version, "weight buckets")
+                channel.finish()
+                self._receive(msg, self.engine_cfg.start_timeout_s)
+                self.peak_bucket_bytes = got["peak_bucket_bytes"]
+        except BaseException:
+            if channel is not None:
+                channel.close()
+                if self.process is not None:
+                    self.process.kill()
+                shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+        self.export_seconds, self.load_seconds = time.perf_counter() - start, 0.0
 
-            dist.barrier(group=parallel_state.get_pipeline_model_parallel_group())
-        del keep
+    def _place(self) -> None:
+        """Every rank: where this actor's engines run (a collective: every rank reports its node and GPUs)."""
+        e = self.engine_cfg
+        placements = plan_engines(gather_rank_devices(), e.tensor_model_parallel_size, e.pipeline_model_parallel_size)
+        self.replica = [p for p in placements if p.dp == self.dp]
+        self.engine = engine_for_rank(placements, parallel.world_rank())
+        memory = _all_ranks(_gpu_memory())  # every rank's (free, total) before the engines take theirs
+        if self.engine is not None and self.on_gpu:
+            mine = [memory[r] for r in self.engine.ranks if memory[r] is not None]
+            self.gpu_memory = (min(f for f, _ in mine), min(t for _, t in mine))
+        if self.engine is not None:
+            self.name = (f"vLLM engine {self.engine.index} of actor replica dp{self.dp}" if self.engine.count > 1
+                         else f"vLLM engine of actor replica dp{self.dp}")
+            atexit.register(self.close)
 
-    def _prune(self, version: int) -> None:
-        keep = f"v{version}-"
-        for name in os.listdir(self.directory):
-            if name.endswith(".safetensors") and not name.startswith(keep):
-                os.remove(os.path.join(self.directory, name))
+    def _memory_fraction(self, dtype: str) -> float:
+        """rollout.vllm.gpu_memory_utilization, lowered to what is free on the engine's GPUs now."""
+        gpus = self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size
+        element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        weights = sum(p.numel() for p in self.worker.model.parameters()) * element
+        weights *= parallel.tp_size() * parallel.pp_size()  # this rank holds 1 / (TP x PP) of them
+        free, total = self.gpu_memory
+        return memory_fraction(free, total, self.engine_cfg.gpu_memory_utilization, weights // gpus,
+                               kv_bytes_per_token(self.arch, element) * self.max_model_len() // gpus, 1 << 30,
+                               f"{self.engine.index} of actor replica dp{self.dp}")
 
     def _start(self, version: int) -> None:
-        """Every rank: export ``version``; the owner starts its engine on it."""
+        """Every rank: place the engines, export ``version``; each owner starts its engine on it."""
+        self._place()
         files = self._export(version)
         self.version = version
         if not self.owner:
@@ -296,43 +363,48 @@ class VllmEngine:
         finish_sync(self.directory, version, files, arch)
         dtype = str(next(self.worker.model.parameters()).dtype).replace("torch.", "")
         write_hf_config(self.directory, arch, dtype)
-        e = self.engine_cfg
+        e, o = self.engine_cfg, self.options
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(SERVER_DIR),
                    VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # Ray sets them per actor; vLLM binds its own threads
             env.pop(key, None)
-        if e.cpu_threads_bind is not None and not torch.cuda.is_available():
+        if e.cpu_threads_bind is not None and not self.on_gpu:
             env["VLLM_CPU_OMP_THREADS_BIND"] = e.cpu_threads_bind  # one thread per listed core
+        env = engine_env(self.engine, env)
+        util = self._memory_fraction(dtype) if self.on_gpu else None
         start = time.perf_counter()
         self.process = EngineProcess(vllm_python(e), self.name, self.log_path(), env, e.start_timeout_s,
                                      e.hang_timeout_s)
-        on_gpu = torch.cuda.is_available()
         self._call({"op": "start", "model_dir": self.directory, "dtype": dtype, "version": version,
-                    "seed": self.cfg.trainer.seed, "tensor_parallel_size": e.tensor_model_parallel_size,
-                    "enforce_eager": e.enforce_eager, "max_model_len": self.max_model_len(),
-                    "max_num_seqs": e.max_num_seqs, "logprobs_mode": logprobs_mode(self.cfg),
-                    "gpu_memory_utilization": e.gpu_memory_utilization if on_gpu else None,
-                    "kv_cache_memory_bytes": None if on_gpu else int(e.cpu_kv_cache_gib * (1 << 30)),
-                    "cpu": not on_gpu},
+                    "seed": self.cfg.trainer.seed + 1000 * self.dp + self.engine.index,
+                    "tensor_parallel_size": self.engine.tensor_parallel_size,
+                    "pipeline_parallel_size": self.engine.pipeline_parallel_size,
+                    "enforce_eager": o.enforce_eager, "enable_prefix_caching": o.enable_prefix_caching,
+                    "enable_sleep_mode": o.sleep_level is not None, "seed_per_request": o.seed_per_request,
+                    "max_model_len": self.max_model_len(), "max_num_seqs": e.max_num_seqs,
+                    "logprobs_mode": logprobs_mode(self.cfg), "gpu_memory_utilization": util,
+                    "kv_cache_memory_bytes": None if self.on_gpu else int(e.cpu_kv_cache_gib * (1 << 30)),
+                    "cpu": not self.on_gpu},
                    e.start_timeout_s)
         self.load_seconds = time.perf_counter() - start
-        log.info("%s started (pid %d) on weights v%d in %.1f s", self.name, self.process.pid, version,
-                 self.load_seconds)
+        log.info("%s started (pid %d) on weights v%d in %.1f s (GPUs %s)", self.name, self.process.pid, version,
+                 self.load_seconds, self.engine.cuda_visible_devices or "none")
 
     def log_path(self) -> str:
-        """The engine's own output: trainer.log_dir/vllm-engine-dp<d>.log (the weight directory is removed)."""
+        """The engine's own output: trainer.log_dir/vllm-engine-dp<d>[-<i>].log (the weight directory is removed)."""
         t = self.cfg.trainer
         directory = t.expand(t.log_dir) if t.log_dir else self.base_dir
         os.makedirs(directory, exist_ok=True)
-        return os.path.join(directory, f"vllm-engine-dp{self.dp}.log")
+        suffix = f"-{self.engine.index}" if self.engine is not None and self.engine.count > 1 else ""
+        return os.path.join(directory, f"vllm-engine-dp{self.dp}{suffix}.log")
 
     def max_model_len(self) -> int:
         d = self.cfg.data
         return min(d.max_prompt_length + d.max_response_length, self.arch.max_position_embeddings)
 
     def sync_weights(self) -> None:
-        """Every rank: export the actor's current weights and have the engine load them (starts the engine if it
-        is not running yet)."""
+        """Every rank: export the actor's current weights and have the engines load them (starts them if they
+        are not running yet)."""
         version = self.worker.weights_version
         if self.pending is not None:
             raise EngineError(f"{self.name}: weights v{version} cannot be loaded while a rollout is in flight "
@@ -345,47 +417,66 @@ class VllmEngine:
 
     # -------------------------------------------------------------------------------------------- generate
     def generate(self, prompt_ids: Sequence[torch.Tensor], params: SamplingParams) -> GenerationOutput | None:
-        """The replica's responses (on its owner; None on the other ranks, whose answer the driver drops)."""
+        """The replica's responses (on its representative; None on the other ranks, whose answer the driver
+        drops)."""
         self.submit(prompt_ids, params)
         return self.collect()
 
     def submit(self, prompt_ids: Sequence[torch.Tensor], params: SamplingParams) -> None:
         """Every rank: start generating the replica's responses with the weights the actor holds now, and return
         at once (trainer.async_rollout=one_step: the actor trains while the engine generates); ``collect`` takes
-        them. The engine must hold the actor's current weights
-        (StaleWeightsError otherwise): staleness comes only from training while a rollout is in flight."""
+        them. Each engine of the replica takes its contiguous share of the prompts. The engines must hold the
+        actor's current weights (StaleWeightsError otherwise): staleness comes only from training while a rollout
+        is in flight."""
         if self.pending is not None:
             raise EngineError(f"{self.name}: a rollout is in flight already (submitted, not collected)")
         if self.version is None:
-            self._start(self.worker.weights_version)  # the first rollout: the engine starts on the current weights
+            self._start(self.worker.weights_version)  # the first rollout: the engines start on the current weights
         if self.version != self.worker.weights_version:
             raise StaleWeightsError(f"{self.name}: holds weights v{self.version}, the actor is at "
                                     f"v{self.worker.weights_version} (sync_weights was not called after an update)")
         self.pending = (None, params)
         if self.owner:
+            if self.asleep:
+                self._call({"op": "wake_up", "tags": None}, self.engine_cfg.start_timeout_s)
+                self.asleep = False
+            rows = rows_of(len(prompt_ids), self.engine.index, self.engine.count)
             self.process.calls += 1
             sampling = {"greedy": params.greedy, "temperature": params.temperature, "top_k": params.top_k,
                         "top_p": params.top_p, "max_tokens": params.max_response_length,
-                        "eos_token_ids": list(params.eos_token_ids), "seed": params.seed}
+                        "eos_token_ids": list(params.eos_token_ids),
+                        "seed": None if params.seed is None else params.seed + rows.start}
             msg = {"op": "generate", "call": self.process.calls, "version": self.version,
-                   "prompts": [p.tolist() for p in prompt_ids], "sampling": sampling,
+                   "prompts": [p.tolist() for p in prompt_ids[rows]], "sampling": sampling,
                    "heartbeat_s": min(5.0, self.engine_cfg.hang_timeout_s / 3)}
             self._send(msg)
             self.pending = (msg, params)
 
     def collect(self) -> GenerationOutput | None:
-        """The submitted rollout's responses (on the owner; None on the other ranks)."""
+        """The submitted rollout's responses (on the representative; None on the other ranks); each engine sleeps
+        once its share is collected (rollout.vllm.free_cache_engine, on a GPU)."""
         if self.pending is None:
             raise EngineError(f"{self.name}: nothing to collect (no rollout was submitted)")
         (msg, params), self.pending = self.pending, None
-        if msg is None:
-            return None
-        try:
-            reply = self.process.receive(msg, self.engine_cfg.hang_timeout_s, heartbeats=True)
-        except EngineError:
-            shutil.rmtree(self.directory, ignore_errors=True)
-            raise
-        return to_output(reply["results"], params)
+        results = None
+        if msg is not None:
+            results = self._receive(msg, self.engine_cfg.hang_timeout_s, heartbeats=True)["results"]
+            if self.options.sleep_level is not None:
+                self._call({"op": "sleep", "level": self.options.sleep_level}, self.engine_cfg.start_timeout_s)
+                self.asleep = True
+        if len(self.replica) > 1:  # the representative takes every engine's share, in engine order
+            results = self._gather_shares(results)
+        return to_output(results, params) if self.representative else None
+
+    def _gather_shares(self, results: list | None) -> list | None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_model_parallel_group()
+        shares = [None] * dist.get_world_size(group) if self.representative else None
+        rep = RankLayout.for_world(parallel.tp_size(), parallel.pp_size(), parallel.world_size()).representative(
+            self.dp)
+        dist.gather_object((self.engine.index if self.owner else None, results), shares, dst=rep, group=group)
+        return merge_shares(shares) if self.representative else None
 
     def _send(self, msg: dict) -> None:
         try:
@@ -394,13 +485,17 @@ class VllmEngine:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
 
-    def _call(self, msg: dict, timeout_s: float, heartbeats: bool = False) -> dict:
-        """A call to the engine; a failed engine is gone (EngineProcess killed it): its weight directory too."""
+    def _receive(self, msg: dict, timeout_s: float, heartbeats: bool = False) -> dict:
         try:
-            return self.process.call(msg, timeout_s, heartbeats)
+            return self.process.receive(msg, timeout_s, heartbeats)
         except EngineError:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
+
+    def _call(self, msg: dict, timeout_s: float, heartbeats: bool = False) -> dict:
+        """A call to the engine; a failed engine is gone (EngineProcess killed it): its weight directory too."""
+        self._send(msg)
+        return self._receive(msg, timeout_s, heartbeats)
 
     def close(self) -> None:
         if self.process is not None:
@@ -412,6 +507,15 @@ class VllmEngine:
                 os.rmdir(self.base_dir)  # the last replica's owner removes the shared directory
             except OSError:
                 pass
+
+
+def merge_shares(shares: list[tuple[int | None, list | None]]) -> list:
+    """The replica's answers in prompt order from every rank's (engine index or None, its engine's answers):
+    engine i answered rows ``rows_of(n, i, count)``, contiguous and in engine order."""
+    owned = sorted((index, share) for index, share in shares if index is not None)
+    if [index for index, _ in owned] != list(range(len(owned))):
+        raise EngineError(f"answers from engines {[index for index, _ in owned]}, expected 0..{len(owned) - 1}")
+    return [row for _, share in owned for row in share]
 
 
 def to_output(results: list[dict], params: SamplingParams) -> GenerationOutput:

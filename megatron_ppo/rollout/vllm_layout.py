@@ -299,4 +299,5 @@ def check_engine_layout(cfg) -> None:
             f"{a.tensor_model_parallel_size * a.pipeline_model_parallel_size} ranks a replica, "
             f"{cfg.cluster.n_gpus_per_node} {'GPUs' if gpu else 'ranks'} per node; replica dp{dp}: {where}"
             f"{', ...' if len(nodes) > 4 else ''}); weight_transport=file needs a directory every node of a replica "
-            "shares (the default /dev/shm is each node's own): set a shared file system path")
+            "shares (the default /dev/shm is each node's own): set a shared file system path, or "
+            "weight_transport=ipc (the default: other stages' weights relayed over torch.distributed)")

@@ -72,20 +72,33 @@ def new_buffer(nbytes: int, device: torch.device, shared: bool) -> torch.Tensor:
     return flat
 
 
+def stage_bytes(model) -> int:
+    """This stage's parameters at TP=1 (what the first TP rank gathers), in bytes: at least its HF tensors' bytes
+    (the HF export drops the vocabulary padding)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return sum(p.numel() * p.element_size() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+               for p in model.parameters())
+
+
 def stage_buckets(model, bucket_bytes: int, shared: bool) -> Iterator[Bucket]:
     """This stage's HF weights in buckets of ``bucket_bytes`` (a larger tensor: a bucket of its own), filled as the
     tensors are gathered, on the stage's first TP rank; the other TP ranks send their shards and get nothing. A
     collective over the stage's TP group: every TP rank iterates it to the end."""
     device = next(model.parameters()).device
+    left = stage_bytes(model)  # an upper bound on what is still to come: a small stage gets a small buffer
     bucket = None
     for name, tensor in stage_hf_weights(model):
         if bucket is not None and not bucket.fits(tensor):
             yield bucket
             bucket = None
+        n = tensor.numel() * tensor.element_size()
         if bucket is None:
-            size = max(bucket_bytes, tensor.numel() * tensor.element_size())
+            size = max(min(bucket_bytes, left + ALIGN * 64), n)  # alignment padding of up to 64 tensors
             bucket = Bucket(new_buffer(size, device, shared))
         bucket.add(name, tensor)
+        left -= n
         del tensor
     if bucket is not None:
         yield bucket

@@ -151,15 +151,17 @@ def test_a_batch_larger_than_one_prefill_step_samples_with_seeds(smollm2_actor):
 
 
 def test_an_update_is_refused_until_synced_then_followed(smollm2_actor):
-    """Both hand-overs (rollout.vllm.weight_transport): safetensors files, then tensors shared with the engine
-    process (shared memory here; CUDA IPC on a GPU)."""
+    """Both hand-overs (rollout.vllm.weight_transport): safetensors files, then buckets shared with the engine's
+    worker (shared memory here; CUDA IPC on a GPU), at the default bucket size and at one smaller than the
+    embedding (many buckets, one of them a single tensor): the engine's log-probs are the updated actor's, and
+    the rank never held more than one bucket."""
     from megatron_ppo.rollout.weights import StaleWeightsError
 
     group, tok, prompts, _ = smollm2_actor
     worker = group.worker
     params = _params(tok, temperature=1.0)
-    for transport in ("file", "ipc"):
-        worker.engine.engine_cfg.weight_transport = transport
+    for transport, bucket_mb in (("file", 512), ("ipc", 512), ("ipc", 16)):
+        worker.engine.engine_cfg.weight_transport, worker.engine.engine_cfg.bucket_mb = transport, bucket_mb
         before = worker.engine.generate(prompts[:4], params)
         old = _teacher_forced(group, prompts[:4], before, 1.0)
         with torch.no_grad():  # a large step: every weight moves (as an update with a large learning rate would)
@@ -179,9 +181,12 @@ def test_an_update_is_refused_until_synced_then_followed(smollm2_actor):
         # ... and the old weights would not have given them: the update moved the log-probs by far more
         stale = (_teacher_forced(group, prompts[:4], before, 1.0) - old).abs().max()
         assert stale > 100 * LOGPROB_TOL, (transport, stale)
-        print(f"{transport}: sync {sync_s:.2f} s (export {worker.engine.export_seconds:.2f} s, engine load "
+        if transport == "ipc":
+            largest = max(p.numel() * p.element_size() for p in worker.model.parameters())
+            assert 0 < worker.engine.peak_bucket_bytes <= max(bucket_mb << 20, largest)
+        print(f"{transport} {bucket_mb} MiB: sync {sync_s:.2f} s (export {worker.engine.export_seconds:.2f} s, engine load "
               f"{worker.engine.load_seconds:.2f} s); log-probs moved by {float(stale):.3f}")
-    worker.engine.engine_cfg.weight_transport = "file"
+    worker.engine.engine_cfg.weight_transport, worker.engine.engine_cfg.bucket_mb = "file", 512
 
 
 def _engine_pid(worker) -> int:

@@ -3,6 +3,8 @@ mapping, bit-identical to the HF checkpoint the actor was loaded from, at TP1, T
 an update reaches the export; a stale version is refused."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -62,12 +64,13 @@ def test_export_is_the_hf_checkpoint_and_follows_an_update(megatron_single, hf_m
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(2)
-    files = write_weights(model, str(tmp_path / "sync2"), version=2)
-    finish_sync(str(tmp_path / "sync2"), 2, files, arch)
-    got, _ = read_weights(str(tmp_path / "sync2"), 2)
+    files = write_weights(model, str(tmp_path / "sync"), version=2)  # the same directory: v1 is pruned first
+    assert sorted(os.listdir(tmp_path / "sync")) == sorted([os.path.basename(f) for f in files] + ["sync.json"])
+    finish_sync(str(tmp_path / "sync"), 2, files, arch)
+    got, _ = read_weights(str(tmp_path / "sync"), 2)
     _assert_same(got, {k: 2 * v for k, v in want.items()})
     with pytest.raises(StaleWeightsError, match="holds weights of sync version 2, the actor is at 3"):
-        read_weights(str(tmp_path / "sync2"), 3)
+        read_weights(str(tmp_path / "sync"), 3)
 
 
 def test_a_value_model_is_refused(megatron_single):

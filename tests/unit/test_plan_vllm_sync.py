@@ -97,7 +97,7 @@ def _plan(capsys, *args):
 def test_ppo_70b_plans_tp8_engines_and_a_sync_under_10_s(capsys):
     """Issue 48's goal: ppo_70b with vLLM gets an engine of TP8 over each node's 8 GPUs (4 per actor replica, 16 in
     all) and, over CUDA IPC, a planned sync of at most 10 s a step; the engine fits beside the colocated roles.
-    The file transport on /dev/shm is refused (each replica spans 4 nodes)."""
+    The file transport on /dev/shm is refused (each replica spans 4 nodes); ipc is the default."""
     rc, d = _plan(capsys, "--config", "ppo_70b", "rollout.name=vllm", "rollout.vllm.weight_transport=ipc")
     v = d["vllm"]
     assert rc == 0 and d["fits"] and not v["problems"]
@@ -105,7 +105,7 @@ def test_ppo_70b_plans_tp8_engines_and_a_sync_under_10_s(capsys):
     assert v["total"] == pytest.approx(sum(v["terms"].values())) and v["total"] <= 10.0
     assert v["model_bytes"] == 70_553_706_496 * 2
     assert v["memory"]["generation"] <= v["memory"]["usable"]
-    rc, d = _plan(capsys, "--config", "ppo_70b", "rollout.name=vllm")
+    rc, d = _plan(capsys, "--config", "ppo_70b", "rollout.name=vllm", "rollout.vllm.weight_transport=file")
     assert rc == 1 and any("needs a shared rollout.vllm.weights_dir" in p for p in d["problems"])
     from megatron_ppo.plan.cli import main
 

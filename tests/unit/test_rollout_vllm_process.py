@@ -164,3 +164,38 @@ def test_a_sent_message_is_answered_when_received_later_and_the_bound_server_run
         assert psutil.Process(proc.pid).cpu_affinity() == [0]
     finally:
         proc.close()
+
+
+def test_a_weight_hand_over_the_engine_refuses_is_named_at_once(server, tmp_path):
+    """weight_transport=ipc: the owner waits for the engine's workers to connect; an engine whose load fails
+    before any worker connects (here: no engine was started) answers with its error, and the owner raises it
+    naming the engine within a poll, not after start_timeout_s."""
+    from megatron_ppo.rollout.vllm_channel import BucketChannel
+
+    channel = BucketChannel(str(tmp_path), 1, server, timeout_s=30)
+    server.send({"op": "load_buckets", "address": channel.address, "authkey": channel.authkey, "version": 1,
+                 "tie": False})
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=r"dp3 \(pid \d+\) failed in 'load_buckets': AttributeError"):
+        channel.send(torch.zeros(8, dtype=torch.uint8), {"names": [], "shapes": [], "dtypes": [], "offsets": [],
+                                                          "nbytes": [], "used": 0})
+    assert time.monotonic() - start < 5
+    assert not os.path.exists(channel.address)
+    assert wait_gone(server.pid)
+
+
+def test_a_replica_with_an_engine_per_node_answers_in_prompt_order():
+    """ppo_70b's replicas have 4 engines each: engine i generated rows_of(n, i, 4); the representative's gather
+    (one entry per rank of the replica, None where a rank owns no engine) comes back in prompt order, and a missing
+    engine is an error, not a silently shorter batch."""
+    from megatron_ppo.rollout.vllm import merge_shares
+    from megatron_ppo.rollout.vllm_layout import rows_of
+
+    rows = list(range(10))
+    shares = [(None, None)] * 32
+    for i in (2, 0, 3, 1):  # ranks report in rank order, not engine order
+        shares[8 * i + (i % 2)] = (i, rows[rows_of(10, i, 4)])
+    assert merge_shares(shares) == rows
+    shares[0] = (None, None)
+    with pytest.raises(EngineError, match=r"answers from engines \[1, 2, 3\], expected 0..2"):
+        merge_shares(shares)

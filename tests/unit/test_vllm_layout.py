@@ -155,7 +155,7 @@ def test_rank_gpus_under_ray_torchrun_and_cpu():
 
 # ------------------------------------------------------------------------------------------------ preflight
 
-VLLM_70B = ["rollout.name=vllm", "rollout.n=1"]
+VLLM_70B = ["rollout.name=vllm", "rollout.n=1", "rollout.vllm.weight_transport=file"]
 
 
 def test_preflight_ppo_70b_with_vllm_needs_a_shared_weights_dir_and_tp8_engines():
@@ -163,7 +163,7 @@ def test_preflight_ppo_70b_with_vllm_needs_a_shared_weights_dir_and_tp8_engines(
             "rollout.vllm.weights_dir: actor replicas span 4 nodes (TP x PP = 32 ranks a replica, 8 GPUs per node; "
             "replica dp0: ranks 0-7 on node0, ranks 32-39 on node4, ranks 64-71 on node8, ranks 96-103 on node12); "
             "weight_transport=file needs a directory every node of a replica shares (the default /dev/shm is each "
-            "node's own): set a shared file system path")):
+            "node's own): set a shared file system path, or weight_transport=ipc")):
         check_engine_layout(load_config("ppo_70b", VLLM_70B))
     check_engine_layout(load_config("ppo_70b", VLLM_70B + ["rollout.vllm.weights_dir=/shared/weights"]))
     check_engine_layout(load_config("ppo_70b", VLLM_70B + ["rollout.vllm.weight_transport=ipc"]))  # not this rule
@@ -186,8 +186,8 @@ def test_preflight_tiny_on_gpus_cpu_and_colocated_fractions():
     check_engine_layout(half)  # both actor ranks on one GPU: an engine of TP1
     with pytest.raises(UsageError, match=re.escape("actor replicas span 2 nodes (TP x PP = 2 ranks a replica, 1 "
                                                    "ranks per node; replica dp0: ranks 0 on node0, ranks 1 on node1)")):
-        check_engine_layout(load_config("tiny_cpu", ["rollout.name=vllm", "cluster.nnodes=2",
-                                                     "cluster.n_gpus_per_node=1"]))  # CPU too: stage files per node
+        check_engine_layout(load_config("tiny_cpu", ["rollout.name=vllm", "cluster.nnodes=2", "cluster.n_gpus_per_node=1",
+                                                     "rollout.vllm.weight_transport=file"]))  # CPU too: files per node
 
 
 def test_run_preflight_refuses_the_engine_layout_before_probing_the_vllm_venv(tmp_path):

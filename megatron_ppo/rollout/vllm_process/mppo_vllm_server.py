@@ -4,14 +4,16 @@ megatron_ppo/rollout/vllm.py; it imports nothing of megatron_ppo (that venv has 
     <vllm-venv>/bin/python mppo_vllm_server.py <fd>
 
 ``fd`` is this end of a socketpair with the actor rank that started it. Messages are pickled dicts
-(multiprocessing.connection): {"op": "start" | "load" | "load_shared" | "generate" | "ping" | "exit", ...} -> {"ok": True, ...} or
+(multiprocessing.connection): {"op": "start" | "load" | "load_buckets" | "sleep" | "wake_up" |
+"generate" | "ping" | "exit", ...} -> {"ok": True, ...} or
 {"ok": False, "error": "..."}; while generating it sends {"heartbeat": tokens_so_far} after every engine step that
 ends more than ``heartbeat_s`` after the last, so the rank can tell a hung engine from a long rollout.
 
 The process ends when the rank asks, when the socket closes (the rank died) or when its parent changes (ditto).
 Weights arrive by file (the versioned directory rollout/weights.py writes: safetensors + sync.json; the version
-asked for is checked against the manifest) or as shared tensors (``load_shared``: CUDA IPC handles on a GPU,
-shared memory on the CPU; rollout.vllm.weight_transport=ipc). Either way they are loaded in place
+asked for is checked against the manifest) or in buckets from the owner rank (``load_buckets``: each vLLM worker
+connects to the owner's socket and receives one bucket at a time as a CUDA IPC handle on a GPU, a shared-memory
+name on the CPU; rollout.vllm.weight_transport=ipc). Either way they are loaded in place
 (``reload_weights`` with an iterator: vLLM re-runs its post-load processing, e.g. the CPU's oneDNN repacking) and
 a tied lm_head is re-tied and re-processed (without it the head keeps the old embedding's packed weights).
 """
@@ -49,13 +51,38 @@ class WeightSync:
         self.mppo_version = version
         return version
 
-    def mppo_load_shared(self, tensors: list, version: int, tie_word_embeddings: bool) -> int:
-        """The same load from tensors shared by the actor's ranks (rollout.vllm.weight_transport=ipc): each is
-        rebuilt from its handle (CUDA IPC on a GPU, shared memory on the CPU) as vLLM's loader asks for it."""
+    def mppo_receive(self, address: str, authkey: bytes, version: int, tie_word_embeddings: bool) -> int:
+        """The same load, bucket by bucket from the owner rank (rollout.vllm.weight_transport=ipc): each bucket
+        arrives as a handle to one flat buffer (CUDA IPC on a GPU, shared memory on the CPU) and its layout; its
+        tensors go to vLLM's loader, then the owner is told, and only then sends the next bucket."""
+        import torch
         import torch.multiprocessing as mp
+        from multiprocessing.connection import Client
 
         mp.set_sharing_strategy("file_system")
-        self.reload_weights(weights_iterator=((name, fn(*args)) for name, (fn, args) in tensors))
+        conn = Client(address, family="AF_UNIX", authkey=authkey)
+
+        def tensors():
+            while True:
+                msg = conn.recv()
+                if msg is None:
+                    return
+                fn, args = msg["handle"]
+                if msg.get("device_uuid"):
+                    args = _on_local_device(args, msg["device_uuid"])
+                flat = fn(*args)
+                for name, shape, dtype, offset, n in zip(msg["names"], msg["shapes"], msg["dtypes"],
+                                                         msg["offsets"], msg["nbytes"]):
+                    yield name, flat[offset:offset + n].view(getattr(torch, dtype)).view(shape)
+                del flat
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # the copies out of the owner's buffer are done
+                conn.send("ack")
+
+        try:
+            self.reload_weights(weights_iterator=tensors())
+        finally:
+            conn.close()
         self._retie(tie_word_embeddings)
         self.mppo_version = version
         return version
@@ -72,6 +99,18 @@ class WeightSync:
 
 
 OWNED_DIR: list[str] = []  # the replica's weight directory: removed when this process ends, however it ends
+
+
+def _on_local_device(args: tuple, uuid: str) -> tuple:
+    """A CUDA IPC handle's rebuild arguments with the device index of the GPU ``uuid`` as this process numbers it
+    (the sender's index is its own: each Ray actor sees its GPU as device 0). verl remaps the same way."""
+    import torch
+
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return (*args[:6], index, *args[7:])  # rebuild_cuda_tensor's storage_device
+    raise RuntimeError(f"weight hand-over: GPU {uuid} holds the bucket but this vLLM worker cannot see it "
+                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
 
 
 def _remove_owned() -> None:
@@ -98,15 +137,21 @@ class Server:
         self.conn = conn
         self.llm = None
         self.version = -1
+        self.seed_per_request = True
+        self.asleep = False
 
     def start(self, msg: dict) -> dict:
         from vllm import LLM
 
         kwargs = dict(model=msg["model_dir"], skip_tokenizer_init=True, dtype=msg["dtype"], seed=msg["seed"],
-                      tensor_parallel_size=msg["tensor_parallel_size"], enforce_eager=msg["enforce_eager"],
+                      tensor_parallel_size=msg["tensor_parallel_size"],
+                      pipeline_parallel_size=msg.get("pipeline_parallel_size", 1), enforce_eager=msg["enforce_eager"],
                       max_model_len=msg["max_model_len"], max_num_seqs=msg["max_num_seqs"],
                       logprobs_mode=msg["logprobs_mode"], worker_extension_cls="mppo_vllm_server.WeightSync",
-                      disable_log_stats=True, enable_prefix_caching=False)
+                      disable_log_stats=True, enable_prefix_caching=msg.get("enable_prefix_caching", False))
+        if msg.get("enable_sleep_mode"):
+            kwargs["enable_sleep_mode"] = True
+        self.seed_per_request = msg.get("seed_per_request", True)
         if msg.get("gpu_memory_utilization") is not None:
             kwargs["gpu_memory_utilization"] = msg["gpu_memory_utilization"]
         if msg.get("kv_cache_memory_bytes"):
@@ -128,14 +173,30 @@ class Server:
         self.version = msg["version"]
         return {"version": self.version}
 
-    def load_shared(self, msg: dict) -> dict:
-        got = self.llm.collective_rpc("mppo_load_shared", args=(msg["tensors"], msg["version"], msg["tie"]))
+    def load_buckets(self, msg: dict) -> dict:
+        got = self.llm.collective_rpc("mppo_receive", args=(msg["address"], msg["authkey"], msg["version"],
+                                                            msg["tie"]))
         if set(got) != {msg["version"]}:
             raise RuntimeError(f"vLLM workers loaded versions {got}, asked for {msg['version']}")
         self.version = msg["version"]
         return {"version": self.version}
 
+    def sleep(self, msg: dict) -> dict:
+        """vLLM's sleep mode: level 1 moves the weights to host memory and frees the KV cache."""
+        self.llm.sleep(level=msg["level"])
+        self.asleep = True
+        return {"asleep": True}
+
+    def wake_up(self, msg: dict) -> dict:
+        """Back on the GPU: ``tags`` ["weights"] before a load (the KV cache stays freed while the weights load),
+        then ["kv_cache"]; None: everything."""
+        self.llm.wake_up(tags=msg.get("tags"))
+        self.asleep = msg.get("tags") == ["weights"]
+        return {"asleep": self.asleep}
+
     def generate(self, msg: dict) -> dict:
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (sleep mode): wake_up before generating")
         if msg["version"] != self.version:
             raise RuntimeError(f"stale weights: the engine holds sync version {self.version}, the actor is at "
                                f"{msg['version']}")
@@ -149,7 +210,7 @@ class Server:
                 n=1, temperature=0.0 if s["greedy"] else s["temperature"], top_k=s["top_k"] if s["top_k"] > 0 else 0,
                 top_p=s["top_p"], max_tokens=s["max_tokens"], min_tokens=0, ignore_eos=True,
                 stop_token_ids=list(s["eos_token_ids"]), logprobs=0, detokenize=False,
-                seed=None if s.get("seed") is None else s["seed"] + i)
+                seed=None if s.get("seed") is None or not self.seed_per_request else s["seed"] + i)
             request_id = f"r{msg['call']}-{i}"
             engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, params)
             ids.append(request_id)
@@ -187,8 +248,12 @@ class Server:
                     reply = self.start(msg)
                 elif op == "load":
                     reply = self.load(msg)
-                elif op == "load_shared":
-                    reply = self.load_shared(msg)
+                elif op == "load_buckets":
+                    reply = self.load_buckets(msg)
+                elif op == "sleep":
+                    reply = self.sleep(msg)
+                elif op == "wake_up":
+                    reply = self.wake_up(msg)
                 elif op == "generate":
                     reply = self.generate(msg)
                 else:
