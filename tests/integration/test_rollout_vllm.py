@@ -184,8 +184,10 @@ def test_an_update_is_refused_until_synced_then_followed(smollm2_actor):
         if transport == "ipc":
             largest = max(p.numel() * p.element_size() for p in worker.model.parameters())
             assert 0 < worker.engine.peak_bucket_bytes <= max(bucket_mb << 20, largest)
-        print(f"{transport} {bucket_mb} MiB: sync {sync_s:.2f} s (export {worker.engine.export_seconds:.2f} s, engine load "
-              f"{worker.engine.load_seconds:.2f} s); log-probs moved by {float(stale):.3f}")
+            # nothing left on /dev/shm: the files the engine started from went at the first in-memory sync
+            assert not [n for n in os.listdir(worker.engine.directory) if n.endswith(".safetensors")]
+        print(f"{transport} {bucket_mb} MiB: sync {sync_s:.2f} s (export {worker.engine.export_seconds:.2f} s, "
+              f"engine load {worker.engine.load_seconds:.2f} s); log-probs moved by {float(stale):.3f}")
     worker.engine.engine_cfg.weight_transport, worker.engine.engine_cfg.bucket_mb = "file", 512
 
 

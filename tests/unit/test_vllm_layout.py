@@ -186,7 +186,8 @@ def test_preflight_tiny_on_gpus_cpu_and_colocated_fractions():
     check_engine_layout(half)  # both actor ranks on one GPU: an engine of TP1
     with pytest.raises(UsageError, match=re.escape("actor replicas span 2 nodes (TP x PP = 2 ranks a replica, 1 "
                                                    "ranks per node; replica dp0: ranks 0 on node0, ranks 1 on node1)")):
-        check_engine_layout(load_config("tiny_cpu", ["rollout.name=vllm", "cluster.nnodes=2", "cluster.n_gpus_per_node=1",
+        check_engine_layout(load_config("tiny_cpu", ["rollout.name=vllm", "cluster.nnodes=2",
+                                                     "cluster.n_gpus_per_node=1",
                                                      "rollout.vllm.weight_transport=file"]))  # CPU too: files per node
 
 
