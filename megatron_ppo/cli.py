@@ -17,8 +17,10 @@ from megatron_ppo import __version__
 
 COMMANDS = {
     "train": ("megatron_ppo.trainer.entry", "run PPO from a YAML config (default: configs/tiny_cpu.yaml)"),
-    "preprocess": ("megatron_ppo.data.preprocess", "convert raw datasets (gsm8k) to verl-schema parquet"),
-    "convert": ("megatron_ppo.convert.cli", "HF <-> Megatron checkpoint conversion (hf-to-mcore, mcore-to-hf)"),
+    "preprocess": ("megatron_ppo.data.preprocess", "verl-schema parquet: gsm8k (from its jsonl), arithmetic "
+                   "(generated); tokenizer (a small BPE from GSM8K text)"),
+    "convert": ("megatron_ppo.convert.cli", "checkpoint conversion: hf-to-mcore, mcore-to-hf (TP/PP resharding), "
+                "gguf-to-hf, verify (HF vs Megatron logits)"),
     "eval": ("megatron_ppo.evaluation.cli", "held-out accuracy of an HF model or a checkpoint (same scoring as "
              "validation)"),
     "plot": ("megatron_ppo.trainer.plots", "PNG curves of a run from its metrics.jsonl (megatron-ppo plot DIR)"),

@@ -312,9 +312,19 @@ def apply_overrides(
     data = copy.deepcopy(data) if data else {}
     errors = []
     all_keys = schema_keys(cls)
-    for text in overrides:
+    skip = False
+    for i, text in enumerate(overrides):
+        if skip:
+            skip = False
+            continue
         key, sep, raw = text.partition("=")
         key = key.strip()
+        if not sep and key and i + 1 < len(overrides) and "=" not in overrides[i + 1] and \
+                _field_type(cls, key.split("."))[1] is None:  # `key value`, as a shell habit: one hint for both
+            errors.append(f"override {text!r} {overrides[i + 1]!r}: expected dotted.key=value without spaces: "
+                          f"{key}={overrides[i + 1]}")
+            skip = True
+            continue
         if not sep or not key or any(not p for p in key.split(".")):
             errors.append(f"override {text!r}: expected dotted.key=value")
             continue
@@ -338,6 +348,10 @@ def apply_overrides(
             continue
         except yaml.YAMLError as exc:
             errors.append(f"override {text!r}: {key}: value is not valid YAML ({exc.__class__.__name__})")
+            continue
+        if get_origin(_unwrap_optional(tp)) is list and isinstance(value, str) and "," in value:
+            errors.append(f"override {text!r}: {key} is a list: write it in brackets, {key}=[{value}] (a single "
+                          f"value with a comma: {key}=['{value}'])")
             continue
         if _unwrap_optional(tp) is str and not isinstance(value, str) and (
                 value is not None or raw.strip() not in YAML_NULLS):  # a bare '#...' is a YAML comment: None

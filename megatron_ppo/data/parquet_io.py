@@ -12,8 +12,16 @@ import pyarrow.parquet as pq
 from megatron_ppo.data.manifest import check_against_manifest
 
 
+def umask_mode(mode: int = 0o666) -> int:
+    """``mode`` as the process's umask lets a new file have it (what ``open`` would give)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 def atomic_write_table(table: pa.Table, path: str | Path) -> Path:
-    """Write `table` to `path` so readers see the old file or the whole new one, never a partial file."""
+    """Write `table` to `path` so readers see the old file or the whole new one, never a partial file. The file gets
+    the mode a plain ``open`` would give (mkstemp's temp file is 0600: a dump others on the cluster cannot read)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -22,6 +30,7 @@ def atomic_write_table(table: pa.Table, path: str | Path) -> Path:
         pq.write_table(table, tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, umask_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

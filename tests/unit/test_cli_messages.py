@@ -88,3 +88,22 @@ def test_overlong_prompt_error_names_config_keys(tmp_path):
     text = str(info.value)
     assert "data.max_prompt_length" in text and "data.filter_overlong_prompts" in text and "data.truncation" in text
     assert "overlong_prompt_policy" not in text
+
+
+def test_top_level_help_names_every_subcommand(capsys):
+    """`megatron-ppo --help` lists each command's subcommands (it once omitted `convert gguf-to-hf`), read from the
+    commands' own parsers, so a new subcommand without a mention fails here."""
+    import argparse
+
+    from megatron_ppo.cli import main
+    from megatron_ppo.convert.cli import build_parser
+    from megatron_ppo.data.preprocess import _parser
+
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ") and line.split()}
+    for command, parser in (("convert", build_parser()), ("preprocess", _parser())):
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        for sub in subs:
+            assert sub in lines[command], (command, sub, lines[command])
+    assert "checkpoint verify" in lines["checkpoint"]

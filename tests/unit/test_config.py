@@ -86,6 +86,21 @@ def test_overrides_nested_typed_and_lists():
     assert isinstance(cfg.algorithm.kl_ctrl.kl_coef, float)
 
 
+@pytest.mark.parametrize("overrides,says", [
+    (["actor.optim.lr", "1e-6"], "override 'actor.optim.lr' '1e-6': expected dotted.key=value without spaces: "
+                                 "actor.optim.lr=1e-6"),
+    (["data.train_files=a.parquet,b.parquet"], "data.train_files is a list: write it in brackets, "
+                                               "data.train_files=[a.parquet,b.parquet]"),
+    (["trainer.total_training_steps"], "override 'trainer.total_training_steps': expected dotted.key=value"),
+])
+def test_a_shell_habit_in_an_override_gets_the_fix_spelled_out(overrides, says):
+    """`key value` (a space, no =) and a list without brackets: the error says what to type instead."""
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny_cpu", overrides)
+    assert says in str(exc.value)
+    assert len(exc.value.errors) == 1  # one line for the pair, not one per word
+
+
 def test_override_int_into_float_field_becomes_float():
     cfg = load_config("tiny_cpu", ["algorithm.gamma=1"])
     assert cfg.algorithm.gamma == 1.0 and type(cfg.algorithm.gamma) is float

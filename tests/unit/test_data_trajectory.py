@@ -1,5 +1,6 @@
 """Trajectory parquet: writer -> reader round trip, atomic per-step files, and every bad-input rule."""
 import logging
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +43,9 @@ def test_write_read_round_trip(tok, tmp_path):
     batch = _batch(tok)
     writer = TrajectoryWriter(tmp_path / "dump", policy_name="tiny-actor", temperature=1.0)
     path = writer.append(12, batch)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # readable as any file the user writes, not mkstemp's 0600
     assert path.name == "step_00000012.parquet"
     assert [p.name for p in (tmp_path / "dump").iterdir()] == ["step_00000012.parquet"]  # no temp files left
     schema = pq.read_schema(path)
