@@ -14,8 +14,8 @@ node the owner is the representative.
 
 ``plan_engines`` is pure: the ranks' devices in, the engines out, refused (UsageError with the numbers) where the
 engine's parallelism and the replica's GPUs disagree. ``gather_rank_devices`` collects the devices at run time (a
-collective: every actor rank calls it); ``check_engine_layout`` runs the same plan on the configured placement for
-preflight, from the config alone.
+collective: every actor rank calls it); trainer/vllm_preflight.py runs the same plan on the configured placement
+for preflight, from the config alone.
 """
 from __future__ import annotations
 
@@ -139,13 +139,13 @@ def gather_rank_devices() -> list[RankDevice]:
 
 # ------------------------------------------------------------------------------------------------ the plan (pure)
 
-def _span(ranks: Sequence[int]) -> str:
+def span_text(ranks: Sequence[int]) -> str:
     from megatron_ppo.distributed.placement import rank_span
 
     return rank_span(ranks)
 
 
-def _on(node: str) -> str:
+def node_text(node: str) -> str:
     return node if node.startswith("node") else f"node {node}"
 
 
@@ -182,8 +182,8 @@ def plan_engines(devices: Sequence[RankDevice], engine_tp: Optional[int], engine
     with_gpu = [d.rank for d in devices if d.gpus]
     if with_gpu and len(with_gpu) != len(devices):
         without = [d.rank for d in devices if not d.gpus]
-        raise UsageError(f"actor ranks {_span(with_gpu)} hold GPUs but ranks {_span(without)} none: a vLLM engine "
-                         "needs its replica's ranks all on GPUs or all on the CPU")
+        raise UsageError(f"actor ranks {span_text(with_gpu)} hold GPUs but ranks {span_text(without)} none: a vLLM "
+                         "engine needs its replica's ranks all on GPUs or all on the CPU")
     replicas: dict[int, list[RankDevice]] = {}
     for d in devices:
         replicas.setdefault(d.dp, []).append(d)
@@ -194,8 +194,8 @@ def plan_engines(devices: Sequence[RankDevice], engine_tp: Optional[int], engine
             last = max(d.pp for d in members)
             rep = [d for d in members if d.tp == 0 and d.pp == last]
             if not rep:
-                raise UsageError(f"actor replica dp{dp} (ranks {_span([d.rank for d in members])}) has no rank with "
-                                 f"tp=0 on its last stage pp{last} to own its engine")
+                raise UsageError(f"actor replica dp{dp} (ranks {span_text([d.rank for d in members])}) has no rank "
+                                 f"with tp=0 on its last stage pp{last} to own its engine")
             out.append(EnginePlacement(dp, 0, 1, rep[0].node, rep[0].rank, tuple(d.rank for d in members), (),
                                        engine_tp or 1, engine_pp))
             continue
@@ -207,12 +207,12 @@ def plan_engines(devices: Sequence[RankDevice], engine_tp: Optional[int], engine
             held = tuple(r.rank for r in here)
             owners = [r for r in here if r.tp == 0]
             if not owners:
-                raise UsageError(f"actor replica dp{dp} has ranks {_span(held)} on {_on(node)} but none with tp=0 "
-                                 "(a TP group spans nodes): no rank there can own a vLLM engine; make "
+                raise UsageError(f"actor replica dp{dp} has ranks {span_text(held)} on {node_text(node)} but none with "
+                                 "tp=0 (a TP group spans nodes): no rank there can own a vLLM engine; make "
                                  "cluster.n_gpus_per_node a multiple of cluster.actor.tensor_model_parallel_size")
             owner = max(owners, key=lambda r: (r.pp, -r.rank))
             gpus = tuple(dict.fromkeys(g for r in here for g in r.gpus))
-            where = f"actor replica dp{dp} holds {len(gpus)} GPUs on {_on(node)} (ranks {_span(held)})"
+            where = f"actor replica dp{dp} holds {len(gpus)} GPUs on {node_text(node)} (ranks {span_text(held)})"
             tp = _engine_size(len(gpus), engine_tp, engine_pp, where)
             engines.append((node, owner.rank, held, gpus, tp))
         for index, (node, owner, held, gpus, tp) in enumerate(engines):
@@ -242,62 +242,3 @@ def engine_env(placement: EnginePlacement, base: Mapping[str, str]) -> dict:
     if placement.gpus:
         env["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices
     return env
-
-
-# ------------------------------------------------------------------------------------------------ preflight
-
-def _planned_devices(cfg) -> tuple[list[RankDevice], bool]:
-    """The actor's ranks as the configured placement seats them (nodes node0, node1, ... as PACK fills them; GPU
-    ids counted per node from each bundle's GPUs) and whether they hold GPUs. Raises LayoutError where the layout
-    does not fit (trainer/entry.py reports that)."""
-    from megatron_ppo.trainer.groups import layouts, on_gpu, plan
-
-    gpu = on_gpu(cfg)
-    if cfg.cluster.launcher == "local":  # one in-process rank on torch's first device
-        return [RankDevice(0, 0, 0, 0, "node0", ("0",) if gpu else ())], gpu
-    layout = layouts(cfg)["actor"]
-    placement = plan(cfg, node_cpus=1)  # CPUs do not move ranks: a node takes cluster.n_gpus_per_node bundles
-    rp = placement.roles["actor"]
-    per_rank = placement.pools[rp.pool][0].get("GPU", 0.0) if gpu else 0.0  # what Ray shows a rank of a bundle
-    slots: dict[str, int] = {}
-    devices = []
-    for rank in sorted(range(layout.world_size), key=lambda r: rp.bundle_indices[r]):
-        node = rp.nodes[rank].host
-        slot = slots[node] = slots.get(node, -1) + 1  # the bundle's place among the actor's bundles on its node
-        if per_rank >= 1:
-            gpus = tuple(str(slot * int(per_rank) + k) for k in range(int(per_rank)))
-        else:  # fractional bundles packed onto GPUs (as Ray does while a GPU has room)
-            gpus = (str(int(slot * per_rank)),) if per_rank > 0 else ()
-        c = layout.coords(rank)
-        devices.append(RankDevice(rank, c.tp, c.pp, c.dp, node, gpus))
-    return sorted(devices, key=lambda d: d.rank), per_rank > 0
-
-
-def check_engine_layout(cfg) -> None:
-    """Preflight, from the config alone: the engines ``plan_engines`` would place on the configured cluster
-    (UsageError with the numbers where vLLM's TP x PP is not an engine's GPUs; on cluster.device=cpu nothing to
-    match), and weight_transport=file with a replica across nodes needs a shared rollout.vllm.weights_dir."""
-    from megatron_ppo.distributed.layout import LayoutError
-
-    v = cfg.rollout.vllm
-    try:
-        devices, gpu = _planned_devices(cfg)
-    except LayoutError:
-        return  # the layout itself does not fit: trainer/entry.py refuses it with the arithmetic
-    plan_engines(devices, v.tensor_model_parallel_size, v.pipeline_model_parallel_size)  # CPU: one engine, any TP
-    if v.weight_transport != "file" or v.weights_dir is not None:
-        return
-    spans: dict[int, dict[str, list[int]]] = {}
-    for d in devices:
-        spans.setdefault(d.dp, {}).setdefault(d.node, []).append(d.rank)
-    dp, nodes = max(spans.items(), key=lambda item: len(item[1]))
-    if len(nodes) > 1:
-        a = cfg.cluster.actor
-        where = ", ".join(f"ranks {_span(ranks)} on {_on(node)}" for node, ranks in list(nodes.items())[:4])
-        raise UsageError(
-            f"rollout.vllm.weights_dir: actor replicas span {len(nodes)} nodes (TP x PP = "
-            f"{a.tensor_model_parallel_size * a.pipeline_model_parallel_size} ranks a replica, "
-            f"{cfg.cluster.n_gpus_per_node} {'GPUs' if gpu else 'ranks'} per node; replica dp{dp}: {where}"
-            f"{', ...' if len(nodes) > 4 else ''}); weight_transport=file needs a directory every node of a replica "
-            "shares (the default /dev/shm is each node's own): set a shared file system path, or "
-            "weight_transport=ipc (the default: other stages' weights relayed over torch.distributed)")

@@ -10,8 +10,9 @@ import pytest
 from megatron_ppo.config import load_config
 from megatron_ppo.distributed.layout import RankLayout
 from megatron_ppo.errors import UsageError
-from megatron_ppo.rollout.vllm_layout import (EnginePlacement, RankDevice, check_engine_layout, engine_env,
-                                              engine_for_rank, plan_engines, rank_gpus, rows_of)
+from megatron_ppo.rollout.vllm_layout import (EnginePlacement, RankDevice, engine_env, engine_for_rank, plan_engines,
+                                              rank_gpus, rows_of)
+from megatron_ppo.trainer.vllm_preflight import check_engine_layout
 
 
 def devices(layout: RankLayout, per_node: int, gpus_per_rank: float = 1.0, cpu: bool = False,
