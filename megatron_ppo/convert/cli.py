@@ -1,7 +1,13 @@
 """`megatron-ppo convert hf-to-mcore | mcore-to-hf | gguf-to-hf | verify`: the command line of checkpoint conversion.
 
 The work is in convert/pipeline.py (both directions) and convert/verify.py (logit comparison); this module parses
-arguments, prints the one-line result or the error, and maps it to an exit code.
+arguments, prints the one-line result or the error, and maps it to an exit code: 2 for a usage or data error (a bad
+flag, input or --out; a checkpoint that cannot be converted: ConversionError), 1 for `verify` beyond --tol.
+
+Everything that can be judged without reading a tensor is judged first, before torch and Megatron load (seconds,
+not the minutes of a large read): the inputs exist, an HF dir has its config.json, a GGUF file its magic, --out is
+free (or --overwrite) and writable, and a trainer checkpoint's files match its step's manifest
+(trainer/checkpoint.py: verify_before_reading).
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import sys
 # as convert/pipeline.py (a test checks): kept here so that a bad argument is reported before torch and Megatron load
 DTYPES = ("fp32", "bf16", "fp16")
 HF_CONFIG_SUBDIR = "hf_config"
+GGUF_MAGIC = b"GGUF"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_inputs(args) -> str | None:
-    """The input directories named by their flags, before torch or Megatron load (a missing --mcore used to be
-    reported as a missing HF config inside it)."""
+    """The first problem with the inputs and --out named by their flags, or None; before torch or Megatron load
+    (a missing --mcore used to be reported as a missing HF config inside it, a used --out after the whole read)."""
     for flag in ("hf", "mcore"):
         value = getattr(args, flag, None)
         if value is None:
@@ -60,9 +67,55 @@ def check_inputs(args) -> str | None:
             return f"--{flag} {value}: no such directory ({what})"
         if not os.path.isdir(value):
             return f"--{flag} {value}: is a file, not {what}"
+        if flag == "hf" and not os.path.isfile(os.path.join(value, "config.json")):
+            return f"--hf {value}: no config.json there (an HF model directory)"
     hf_config = getattr(args, "hf_config", None)
     if hf_config is not None and not os.path.isfile(os.path.join(hf_config, "config.json")):
         return f"--hf-config {hf_config}: no config.json there (an HF model directory)"
+    if args.direction == "mcore-to-hf" and hf_config is None and \
+            not os.path.isfile(os.path.join(args.mcore, HF_CONFIG_SUBDIR, "config.json")):
+        return (f"--mcore {args.mcore}: no {HF_CONFIG_SUBDIR}/config.json in it: pass --hf-config DIR (an HF model "
+                "directory with config.json and tokenizer files)")
+    gguf = getattr(args, "gguf", None)
+    if gguf is not None:
+        if not os.path.isfile(gguf):
+            return f"--gguf {gguf}: no such file"
+        with open(gguf, "rb") as f:
+            if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+                return f"--gguf {gguf}: not a GGUF file (it does not start with {GGUF_MAGIC.decode()})"
+    out = getattr(args, "out", None)
+    return out_problem(out, getattr(args, "overwrite", True)) if out is not None else None
+
+
+def out_problem(out: str, overwrite: bool) -> str | None:
+    """--out must be a directory or not exist, empty unless ``overwrite``, and creatable where it will be made (its
+    nearest existing parent writable): what pipeline.atomic_output_dir refuses, judged before anything is read."""
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--out {out}: exists and is not a directory"
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        return f"--out {out}: exists and is not empty (pass --overwrite to replace it)"
+    parent = os.path.dirname(path)
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        if os.path.exists(parent):
+            return f"--out {out}: {parent} is not a directory"
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out}: {parent} is not writable (the output is written beside it, then renamed)"
+    return None
+
+
+def check_checkpoint(args) -> str | None:
+    """A --mcore inside a trainer checkpoint (global_step_N/actor) against its step's manifest (sizes)."""
+    mcore = getattr(args, "mcore", None)
+    if mcore is None:
+        return None
+    from megatron_ppo.trainer.checkpoint import CheckpointError, verify_before_reading
+
+    try:
+        verify_before_reading(mcore, "--mcore")
+    except CheckpointError as e:
+        return str(e)
     return None
 
 
@@ -71,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ppo import console
 
     console.setup_logging()
-    problem = check_inputs(args)
+    problem = check_inputs(args) or check_checkpoint(args)
     if problem:
         print(f"megatron-ppo convert {args.direction}: error: {problem}", file=sys.stderr)
         return 2
@@ -102,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             mcore_to_hf(args.mcore, args.out, hf_config=args.hf_config, dtype=args.dtype, overwrite=args.overwrite,
                         max_shard_size=args.max_shard_size, key_prefix=args.key_prefix, quiet=args.quiet)
-    except ConversionError as e:
+    except ConversionError as e:  # a usage or data error (a UsageError): exit 2, as every command
         print(f"megatron-ppo convert {args.direction}: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     except console.Interrupted as e:  # the temp dir is gone (atomic_output_dir); stop children before exiting
         console.kill_children(timeout=3.0)
         state = f"nothing was written to {out}" if out and not _complete(out) else f"{out} is as it was"

@@ -10,7 +10,10 @@ configured rollout engine (``rollout.name``) and scored by the driver's own scor
 (rewards/batch.score_responses).
 
 Writes ``<out>/eval.json`` (accuracy, its 95% Wilson interval, format rate, mean response length and mean reward,
-per data_source and overall) and ``<out>/samples.jsonl`` (the first responses, for a look).
+per data_source and overall) and ``<out>/samples.jsonl`` (the first responses, for a look); ``<out>`` defaults to
+``outputs/eval/<name>`` in the current directory (out_dir). A checkpoint is checked against its step's manifest
+before anything else (trainer/checkpoint.py: verify_before_reading): a damaged one is refused in milliseconds, naming
+the file, instead of failing inside the model load after Ray and the actor started.
 """
 from __future__ import annotations
 
@@ -26,18 +29,22 @@ from megatron_ppo.errors import UsageError
 log = logging.getLogger(__name__)
 
 DEFAULT_HF_CONFIG = "smollm2_gsm8k"
+DESCRIPTION = ("held-out accuracy of an HF model or a trainer checkpoint, measured the way `train`'s validation "
+               "measures it (same chat template, reward, response length and rollout.val_kwargs)")
+OUT_ROOT = os.path.join("outputs", "eval")  # under the current directory, like every other output (.gitignore)
 SAMPLES = 8  # responses written to samples.jsonl
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-ppo eval", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="megatron-ppo eval", description=DESCRIPTION)
     p.add_argument("--model", required=True, help="an HF model directory, or a trainer checkpoint's actor "
                    "directory (<default_local_dir>/global_step_N/actor; global_step_N alone also works)")
     p.add_argument("--data", required=True, action="append", help="verl-schema parquet file or directory "
                    "(repeat for several); read as data.val_files")
     p.add_argument("--n", type=int, default=-1, help="evaluate only the first N prompts (default: all)")
-    p.add_argument("--out", default=None, help="output directory for eval.json and samples.jsonl (default: "
-                   "eval-<model dir name> in the current directory)")
+    p.add_argument("--out", default=None, help="output directory for eval.json, samples.jsonl and eval.log "
+                   f"(default: {OUT_ROOT}/<HF dir name>, or {OUT_ROOT}/<run's experiment_name>-global_step_N for a "
+                   "checkpoint, in the current directory)")
     p.add_argument("--config", default=None, help="config name or YAML path (default: the checkpoint's own "
                    f"config.yaml; for an HF directory: {DEFAULT_HF_CONFIG})")
     p.add_argument("--batch-size", type=int, default=None, help="prompts generated per batch (default: "
@@ -62,16 +69,20 @@ def checkpoint_role_dir(model: str) -> str | None:
 
 
 def eval_config(args):
-    """The config the evaluation runs under, and the checkpoint directory to load (None for an HF model)."""
+    """The config the evaluation runs under, and the checkpoint directory to load (None for an HF model). A
+    checkpoint is verified against its manifest first, before torch is imported or its config read."""
+    from megatron_ppo.trainer.checkpoint import verify_before_reading
+
+    model = args.model
+    if not os.path.isdir(model):
+        raise UsageError(f"--model {model}: no such directory (an HF model directory or a trainer checkpoint)")
+    verify_before_reading(model, "--model", role="actor")
     from megatron_ppo.config import load_config
     from megatron_ppo.config.io import yaml_load
     from megatron_ppo.config.load import config_from_dict, to_dict
     from megatron_ppo.models.checkpoint import read_checkpoint_meta
     from megatron_ppo.trainer.checkpoint import RUN_CONFIG
 
-    model = args.model
-    if not os.path.isdir(model):
-        raise UsageError(f"--model {model}: no such directory (an HF model directory or a trainer checkpoint)")
     role_dir = checkpoint_role_dir(model)
     if role_dir is None and not os.path.isfile(os.path.join(model, "config.json")):
         raise UsageError(f"--model {model}: neither an HF model directory (no config.json) nor a trainer "
@@ -115,7 +126,7 @@ def eval_config(args):
     data["trainer"]["critic_warmup"] = 0
     data["actor"]["use_kl_loss"] = False
     data["algorithm"]["use_kl_in_reward"] = False
-    data["trainer"]["log_dir"] = out_dir(args)
+    data["trainer"]["log_dir"] = out_dir(args, cfg.trainer.experiment_name if role_dir else None)
     return config_from_dict(data, [], f"megatron-ppo eval of {model}"), role_dir
 
 
@@ -138,13 +149,18 @@ def tokenizer_dir(cfg, role_dir: str) -> str | None:
     return cfg.actor.model.path
 
 
-def out_dir(args) -> str:
+def out_dir(args, experiment: str | None = None) -> str:
+    """--out, else ``outputs/eval/<name>`` under the current directory (ignored by git, beside the runs' outputs):
+    an HF dir's name, or ``<experiment>-global_step_N`` for a checkpoint (the run's trainer.experiment_name: two
+    runs' step N do not share a directory)."""
     if args.out:
         return os.path.abspath(args.out)
     name = os.path.basename(os.path.normpath(args.model))
     if name == "actor":
         name = os.path.basename(os.path.dirname(os.path.normpath(args.model)))
-    return os.path.abspath(f"eval-{name}")
+    if experiment:
+        name = f"{experiment}-{name}"
+    return os.path.abspath(os.path.join(OUT_ROOT, name))
 
 
 # ------------------------------------------------------------------------------------------------ the run

@@ -19,8 +19,9 @@ is always complete and a crash in the middle of a save leaves the previous one l
 removed by the next save). ``.pt`` files are read with ``torch.load(weights_only=True)``: no pickle of arbitrary
 objects. The rename protects against a crash during the save; the manifest against damage after it: find_resume
 checks the chosen step against it before Ray or any model starts, and resume_mode=auto falls back to the newest
-step that verifies. torch is imported only by the functions that read or write ``.pt`` files, so that the resume
-preflight and `megatron-ppo checkpoint verify` stay light.
+step that verifies; verify_before_reading does the same for the commands that read one (eval, convert). torch is
+imported only by the functions that read or write ``.pt`` files, so that the resume preflight, those checks and
+`megatron-ppo checkpoint verify` stay light.
 """
 from __future__ import annotations
 
@@ -189,6 +190,34 @@ def find_resume(trainer_cfg) -> str | None:
     raise CheckpointError(f"trainer.resume_mode=auto: no checkpoint under {root} verifies: "
                           + "; ".join(f"global_step_{s}: {reason}" for s, reason in skipped)
                           + ". Move the damaged ones away, or set trainer.resume_mode=disable to start afresh")
+
+
+def verify_before_reading(path: str, flag: str, role: str | None = None) -> StepCheck | None:
+    """For a command that reads a trainer checkpoint (`eval --model`, `convert mcore-to-hf --mcore`, `convert
+    verify --mcore`): ``path`` (a ``global_step_<N>/<role>`` dir, or ``global_step_<N>`` itself, then ``role``'s
+    files, or every file when ``role`` is None) checked against its step's manifest before anything is imported or
+    started (sizes: a stat per file, milliseconds). Only what such a reader uses is checked: the role's files and
+    the run's config.yaml. A damaged one is refused (CheckpointError, exit 2) naming the file; a dir outside a
+    ``global_step_<N>``, or a step saved before manifests, passes unchecked (None)."""
+    path = os.path.abspath(path)
+    if _STEP_DIR.match(os.path.basename(path)):
+        step = path
+    elif _STEP_DIR.match(os.path.basename(os.path.dirname(path))):
+        step, role = os.path.dirname(path), os.path.basename(path)
+    else:
+        return None
+    if not has_manifest(step):
+        return None
+    check = verify_step(step)
+    if role is not None:
+        read = (f"{role}/", RUN_CONFIG, manifests.MANIFEST)
+        check.problems = [p for p in check.problems if p.path in read or p.path.startswith(read[0])]
+    if check.problems:
+        named = "; ".join(os.path.join(step, str(p)) for p in check.problems[:2])
+        more = f"; and {len(check.problems) - 2} more" if len(check.problems) > 2 else ""
+        raise CheckpointError(f"{flag} {path}: damaged checkpoint: {named}{more}. Nothing was run "
+                              f"(`megatron-ppo checkpoint verify {step}` lists every file)")
+    return check
 
 
 def _log_notes(check: StepCheck) -> None:

@@ -80,10 +80,11 @@ def test_truncated_safetensors(tiny_llama, tmp_path):
     convert_fails(str(src), tmp_path / "out", path, "not a valid safetensors file")
 
 
-def test_cli_reports_the_error_and_exits_nonzero(tiny_llama, tmp_path, capsys):
+def test_cli_reports_the_error_and_exits_2(tiny_llama, tmp_path, capsys):
+    """A checkpoint that cannot be converted is a data error: exit 2, as the README's table says (issue 49)."""
     name = "model.norm.weight"
     src = variant(tiny_llama, tmp_path / "hf", lambda t: {k: v for k, v in t.items() if k != name})
-    assert convert_main(["hf-to-mcore", "--hf", src, "--out", str(tmp_path / "out")]) == 1
+    assert convert_main(["hf-to-mcore", "--hf", src, "--out", str(tmp_path / "out")]) == 2
     assert name in capsys.readouterr().err
     assert_no_output(tmp_path / "out")
 
