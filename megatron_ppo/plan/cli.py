@@ -2,7 +2,8 @@
 will a step take? Per role: every (TP, PP, DP, recompute, offload) layout on the GPUs with its per-GPU memory
 broken down, infeasible ones with the reason; then the configured layouts colocated on one GPU (one process per
 role: each its resident memory, its own transient peak and a CUDA context), the smallest PP that fits, and a
-step-time estimate. Exit 1 when the configured layout does not fit (so scripts can gate on it).
+step-time estimate. Exit 1 when the configured layout does not fit (so scripts can gate on it): in memory, or in
+the GPUs (TP x PP x DP ranks, one per GPU: such a layout is marked and gets no step time).
 
 A row's columns are the parts of its total and add up to it: weights + grads + optimizer (resident) + the larger
 transient phase, training (activations + logits) or generation (kv_cache), the other phase printed as '-'
@@ -17,8 +18,9 @@ import sys
 
 from megatron_ppo.errors import UsageError
 from megatron_ppo.plan import comm
-from megatron_ppo.plan.layouts import (MARGIN, colocated, comm_times, context_bytes, enumerate_layouts,
-                                       process_bytes, recommend_pp, released_peak, role_specs, step_time, with_world)
+from megatron_ppo.plan.layouts import (MARGIN, cannot_run, colocated, comm_times, context_bytes, enumerate_layouts,
+                                       process_bytes, recommend_pp, released_peak, role_specs, split_problems,
+                                       step_time, with_world)
 from megatron_ppo.plan.memory import GIB, Hardware, Memory, total_params, vllm_engine_bytes
 
 # What a row's total is made of (Memory.total = resident + transient, memory.py): the resident parts, held all run,
@@ -65,9 +67,13 @@ def _legend(unit: str, breakdown: bool) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-ppo plan", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="megatron-ppo plan", description=" ".join(__doc__.split("?")[0].split()) + "?")
     p.add_argument("--config", default="tiny_cpu", help="config name in configs/ or a YAML path")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: cluster.nnodes x n_gpus_per_node)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="GPUs in all, in place of the config's cluster.nnodes x cluster.n_gpus_per_node (the "
+                        "default); nodes of n_gpus_per_node GPUs (one node when N is fewer), so N must be a "
+                        "multiple of it. Every role's TP x PP x DP must fit N (DP = N / (TP x PP) unless "
+                        "data_parallel_size is set): a layout that does not is marked, gets no step time, and exits 1")
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory per GPU (default 80, H100)")
     p.add_argument("--headroom-gib", type=float, default=6.0, help="kept free per GPU (NCCL buffers, fragmentation)")
     p.add_argument("--cuda-context-gib", type=float, default=None,
@@ -206,12 +212,16 @@ def main(argv: list[str] | None = None) -> int:
                   cuda_context_gib=context, pcie_gbs=args.pcie_gbs, tmpfs_gbs=args.tmpfs_gbs,
                   shared_fs_gbs=args.shared_fs_gbs)
     specs = with_world(role_specs(cfg, gpus), gpus)
-    rows, total, problems = colocated(specs, hw, per_node)
+    rows, total, problems = colocated(specs, hw, per_node, gpus)
+    if cfg.cluster.placement == "split":
+        problems += split_problems(specs, gpus)
     best_pp = recommend_pp(specs, gpus, hw, per_node)
-    times = step_time(specs, gpus, hw, per_node)
-    comms = comm_times(specs, hw, per_node)
+    blocked = cannot_run(rows) + [p for p in problems if p.startswith("split placement")]
+    # a layout that cannot start has no step time: its compute would be spread over GPUs its ranks do not match
+    times = None if blocked else step_time(specs, gpus, hw, per_node)
+    comms = None if blocked else comm_times(specs, hw, per_node)
     sync = weight_sync_note(cfg)
-    vllm = vllm_sync(cfg, specs, hw, per_node, rows)
+    vllm = vllm_sync(cfg, specs, hw, per_node, rows, blocked)
     everything = problems + [f"vllm: {p}" for p in (vllm or {}).get("problems", [])]  # the exit status
     listing = {role: enumerate_layouts(spec, gpus, per_node, hw) for role, spec in specs.items()}
     colo_resident = {r: row.mem.resident for r, row in rows.items()}
@@ -230,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                           "transient_phase": {r: peak_phase(row.mem) for r, row in rows.items()},
                           "context_gib": ctx / GIB, "released_peak_gib": released_peak(rows, hw) / GIB},
             "colocated_gib": total / GIB, "fits": not everything, "problems": everything, "recommended_pp": best_pp,
-            "step_time_s": times,
+            "step_time_s": times,  # null when the configured layouts cannot run: step_time_not_estimated says why
+            "step_time_not_estimated": blocked or None,
             # communication per phase (in step_time_s as <phase>_comm, comm and step); plan/comm.py
             "comm_s": comms, "comm_assumptions": comm.ASSUMPTIONS, "weight_sync": sync,
             # rollout.name=vllm on GPUs: engines, sync seconds per term (+ bytes), memory in bytes; plan/comm.py
@@ -241,11 +252,15 @@ def main(argv: list[str] | None = None) -> int:
                             for row in rs] for r, rs in listing.items()},
         }, indent=1))
         return 0 if not everything else 1
-    shown = {r: rs if args.all else [x for x in rs if x.feasible] for r, rs in listing.items()}
+    # the configured layout is always listed, feasible or not (marked *, its note says why it cannot run)
+    shown = {r: rs if args.all else [x for x in rs if x.feasible or x.layout == specs[r].layout]
+             for r, rs in listing.items()}
     unit = _Unit(max([total] + [x.mem.total for rs in shown.values() for x in rs]))
     u = unit.name
     out = [f"megatron-ppo plan: {args.config} on {gpus} GPUs ({per_node} per node), {hw.gpu_mem_gib:g} GiB each "
-           f"({hw.headroom_gib:g} GiB headroom)", "",
+           f"({hw.headroom_gib:g} GiB headroom)"
+           + (f"; --gpus {gpus} in place of the config's {cfg.cluster.nnodes} node(s) x {cfg.cluster.n_gpus_per_node}"
+              f" = {cfg.cluster.world_size} GPUs" if gpus != cfg.cluster.world_size else ""), "",
            *_legend(u, args.breakdown)]
     for role, spec in specs.items():
         n = total_params(spec.arch, role)
@@ -254,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                 f" x {w.seq_len} tokens" + (f", generates {w.gen_batch} sequences per replica" if w.gen_batch else "")]
         rs = listing[role]
         out += _layout_table(shown[role], spec, unit, args.breakdown)
-        bad = len(rs) - sum(r.feasible for r in rs)
+        hidden = [r for r in rs if r not in shown[role]]
+        bad = len(hidden)
         if not args.all and bad:
             reasons = {}
-            for r in rs:
+            for r in hidden:
                 for p in r.problems:
                     key = p.split(" (")[0] if "GiB" not in p else "does not fit alone"
                     reasons[key] = reasons.get(key, 0) + 1
@@ -280,9 +296,16 @@ def main(argv: list[str] | None = None) -> int:
                    "transient)")
     out.append(f"  smallest PP at which the colocated roles fit with {MARGIN:.0%} to spare (TP and the rest as "
                f"configured): {best_pp}")
-    out += ["", *_time_lines(times, comms, hw, gpus, sync), *_sync_lines(vllm)]
+    timing = _time_lines(times, comms, hw, gpus, sync, not problems) if times else _not_estimated(blocked, gpus, sync)
+    out += ["", *timing, *_sync_lines(vllm)]
     print("\n".join(out))
     return 0 if not everything else 1
+
+
+def _not_estimated(blocked: list[str], gpus: int, sync: str) -> list[str]:
+    """In place of the step time when a configured layout cannot run on the GPUs."""
+    return [f"estimated step time: none: the configured layouts cannot run on {gpus} GPUs: " + "; ".join(blocked),
+            f"  weight sync to the rollout engine: {sync}"]
 
 
 def weight_sync_note(cfg) -> str:
@@ -297,13 +320,16 @@ def weight_sync_note(cfg) -> str:
             "Megatron engine's at the actor's layout)")
 
 
-def vllm_sync(cfg, specs: dict, hw: Hardware, per_node: int, rows: dict) -> dict | None:
+def vllm_sync(cfg, specs: dict, hw: Hardware, per_node: int, rows: dict, blocked: list[str] = ()) -> dict | None:
     """rollout.name=vllm on GPUs: the engines (plan/comm.py vllm_engines), one step's weight sync
     (weight_sync_seconds) and the GPU memory of the generation phase and of the sync, the roles' processes as
     colocated (the actor's without Megatron's KV cache: vLLM generates) + an engine GPU's; None otherwise, or
-    ``{"error": ...}`` where the engines cannot be laid out."""
+    ``{"error": ...}`` where the engines cannot be laid out or the configured layouts cannot run (``blocked``: the
+    reasons, already among the plan's problems)."""
     if cfg.rollout.name != "vllm" or cfg.cluster.device == "cpu":
         return None
+    if blocked:
+        return {"error": "the configured layouts cannot run on these GPUs (above)", "problems": []}
     v, actor = cfg.rollout.vllm, specs["actor"]
     try:
         engines = comm.vllm_engines(actor.layout, per_node, v.tensor_model_parallel_size,
@@ -400,9 +426,10 @@ def _sync_lines(p: dict | None) -> list[str]:
     return lines
 
 
-def _time_lines(times: dict, comms: dict, hw: Hardware, gpus: int, sync: str) -> list[str]:
+def _time_lines(times: dict, comms: dict, hw: Hardware, gpus: int, sync: str, fits: bool = True) -> list[str]:
     """The step-time estimate: per phase its compute (or decode) and communication seconds, then the step (in ms
-    when the whole step is under a second, as for tiny configs)."""
+    when the whole step is under a second, as for tiny configs); ``fits`` False: the layouts' ranks fit the GPUs
+    but not their memory, which the header says."""
     unit, scale = ("s", 1.0) if times["step"] >= 1 else ("ms", 1e3)
 
     def row(name, compute, c, total):
@@ -412,8 +439,9 @@ def _time_lines(times: dict, comms: dict, hw: Hardware, gpus: int, sync: str) ->
     cells = [row(phase, times[phase], c, times[phase] + times[phase + "_comm"]) for phase, c in comms.items()]
     cells.append(row("step", times["step"] - times["comm"],
                      {k: sum(c[k] for c in comms.values()) for k in ("tp", "pp", "dp")}, times["step"]))
-    return [f"estimated step time ({unit}) at max lengths: compute at MFU {hw.mfu:g} of {hw.peak_tflops:g} TFLOP/s "
-            f"(decode at {hw.hbm_tbps:g} TB/s); communication at {hw.intra_node_gbs:g} GB/s inside a node, "
+    cond = "" if fits else ", were the configured layouts to fit in memory (they do not: see above)"
+    return [f"estimated step time ({unit}) at max lengths{cond}: compute at MFU {hw.mfu:g} of {hw.peak_tflops:g} "
+            f"TFLOP/s (decode at {hw.hbm_tbps:g} TB/s); communication at {hw.intra_node_gbs:g} GB/s inside a node, "
             f"{hw.inter_node_gbs:g} GB/s between nodes",
             f"per GPU ({comm.ASSUMPTIONS}; plan/comm.py):",
             *_table(["phase", "compute", "tp_comm", "pp_comm", "dp_comm", "total", "comm share"], cells),

@@ -42,6 +42,7 @@ class RoleSpec:
     batch: int         # sequences per PPO step
     epochs: int
     response_len: int  # decode steps of generation
+    dp_fixed: bool = False  # cluster.<role>.data_parallel_size set: DP stays as configured on any GPU count
 
 
 def _recompute(model) -> str:
@@ -79,13 +80,31 @@ def role_specs(cfg, gpus: int | None = None) -> dict[str, RoleSpec]:
                         param_bytes=DTYPE_BYTES[model.dtype], trainable=roles.spec(role).trainable)
         layout = Layout(tp, pp, dp, p.sequence_parallel, p.use_distributed_optimizer, _recompute(model))
         out[role] = RoleSpec(role, role_arch(cfg, role), layout, work, mini, batch, epochs,
-                             cfg.data.max_response_length)
+                             cfg.data.max_response_length, dp_fixed=p.data_parallel_size is not None)
     return out
 
 
-def layout_problems(spec: RoleSpec, layout: Layout, gpus_per_node: int) -> list[str]:
-    """Why Megatron or the driver cannot run ``layout`` for this role (empty: it can)."""
-    a, out = spec.arch, []
+ALONE = "(alone on the GPU)"  # ends the memory problem of a layout; every other problem means it cannot run at all
+
+
+def fit_problems(layout: Layout, gpus: int, dp_fixed: bool = False) -> list[str]:
+    """Why ``layout``'s ranks cannot be seated on ``gpus`` GPUs, one rank per GPU as the driver seats a role
+    (distributed/layout.py check_fits): more ranks than GPUs, or, DP filling the GPUs (data_parallel_size null),
+    TP x PP not dividing them (RankLayout.for_world refuses that). Empty: they fit."""
+    shard = layout.tp * layout.pp
+    ranks = shard * layout.dp
+    if ranks > gpus:
+        return [f"TP{layout.tp} x PP{layout.pp} x DP{layout.dp} = {ranks} ranks > {gpus} GPUs (one rank per GPU)"]
+    if not dp_fixed and gpus % shard:
+        return [f"TP{layout.tp} x PP{layout.pp} = {shard} does not divide {gpus} GPUs (DP fills the GPUs unless "
+                "data_parallel_size is set)"]
+    return []
+
+
+def layout_problems(spec: RoleSpec, layout: Layout, gpus_per_node: int, gpus: int | None = None) -> list[str]:
+    """Why Megatron or the driver cannot run ``layout`` for this role (empty: it can); ``gpus``: also whether its
+    ranks fit that many GPUs (fit_problems)."""
+    a, out = spec.arch, ([] if gpus is None else fit_problems(layout, gpus, spec.dp_fixed))
     if a.num_attention_heads % layout.tp or a.num_query_groups % layout.tp:
         out.append(f"TP{layout.tp} does not divide heads {a.num_attention_heads} / KV groups {a.num_query_groups}")
     if layout.tp > gpus_per_node:
@@ -126,19 +145,21 @@ def process_bytes(mem: Memory, hw: Hardware) -> int:
     return mem.total + context_bytes(hw)
 
 
-def evaluate(spec: RoleSpec, layout: Layout, hw: Hardware, gpus_per_node: int) -> Row:
+def evaluate(spec: RoleSpec, layout: Layout, hw: Hardware, gpus_per_node: int, gpus: int | None = None) -> Row:
+    """The layout's memory and its problems (``gpus``: on that many GPUs; None: its ranks are not counted)."""
     mem = memory(spec.arch, spec.role, layout, spec.work)
-    problems = layout_problems(spec, layout, gpus_per_node)
+    problems = layout_problems(spec, layout, gpus_per_node, gpus)
     budget = (hw.gpu_mem_gib - hw.headroom_gib) * GIB
     if process_bytes(mem, hw) > budget:
         ctx = f" + {hw.cuda_context_gib:g} GiB CUDA context" if hw.cuda_context_gib else ""
         problems.append(f"needs {mem.total / GIB:.1f} GiB{ctx} > {hw.gpu_mem_gib:g} - {hw.headroom_gib:g} GiB "
-                        "headroom (alone on the GPU)")
+                        f"headroom {ALONE}")
     return Row(spec.role, layout, mem, problems)
 
 
 def enumerate_layouts(spec: RoleSpec, gpus: int, gpus_per_node: int, hw: Hardware) -> list[Row]:
-    """Every (TP, PP, DP = gpus / (TP x PP), recompute, offload) for the role, SP on wherever TP > 1."""
+    """Every (TP, PP, DP = gpus / (TP x PP), recompute, offload) for the role, SP on wherever TP > 1; the configured
+    layout first when it is none of them (e.g. TP x PP x DP above ``gpus``: there with the reason)."""
     rows = []
     tps = [t for t in range(1, gpus_per_node + 1) if gpus_per_node % t == 0 and gpus % t == 0]
     for tp in tps:
@@ -152,25 +173,43 @@ def enumerate_layouts(spec: RoleSpec, gpus: int, gpus_per_node: int, hw: Hardwar
                 for off in offloads:
                     sp = tp > 1 and (spec.layout.sp or spec.layout.tp == 1)  # the configured choice; on for new TP > 1
                     layout = Layout(tp, pp, dp, sp, spec.layout.distributed_optimizer, rc, off)
-                    rows.append(evaluate(spec, layout, hw, gpus_per_node))
+                    rows.append(evaluate(spec, layout, hw, gpus_per_node, gpus))
+    if all(r.layout != spec.layout for r in rows):
+        rows.insert(0, evaluate(spec, spec.layout, hw, gpus_per_node, gpus))
     return rows
 
 
-def colocated(specs: dict[str, RoleSpec], hw: Hardware, gpus_per_node: int) -> tuple[dict[str, Row], float, list]:
+def colocated(specs: dict[str, RoleSpec], hw: Hardware, gpus_per_node: int,
+              gpus: int | None = None) -> tuple[dict[str, Row], float, list]:
     """The configured layouts sharing every GPU, one process per role: the sum of what each process holds
     (``process_bytes``: resident + its own transient peak + a CUDA context). Not the roles' resident memory + the
     largest transient, as if they shared one allocator: each process's caching allocator keeps its own peak while
     the others run. The driver's ranks on a shared GPU empty their cache after every call (ray_group.RankActor), so
     the real peak is usually nearer ``released_peak``; the plan keeps the bound that holds when they cannot
-    (fragmentation: a block stays while any tensor in it lives)."""
-    rows = {r: evaluate(s, s.layout, hw, gpus_per_node) for r, s in specs.items()}
+    (fragmentation: a block stays while any tensor in it lives). ``gpus``: each role's ranks must fit them too."""
+    rows = {r: evaluate(s, s.layout, hw, gpus_per_node, gpus) for r, s in specs.items()}
     total = sum(process_bytes(r.mem, hw) for r in rows.values())
-    problems = [f"{r}: {p}" for r, row in rows.items() for p in row.problems if "alone on the GPU" not in p]
+    problems = [f"{r}: {p}" for r, row in rows.items() for p in row.problems if ALONE not in p]
     budget = (hw.gpu_mem_gib - hw.headroom_gib) * GIB
     if total > budget:
         problems.append(f"colocated roles need {total / GIB:.1f} GiB per GPU > {hw.gpu_mem_gib:g} - "
                         f"{hw.headroom_gib:g} GiB headroom")
     return rows, total, problems
+
+
+def cannot_run(rows: dict[str, Row]) -> list[str]:
+    """The configured layouts' problems other than memory ("role: why"): such a layout cannot start at all (too
+    many ranks for the GPUs, TP not dividing the heads, ...), so it has no step time to estimate."""
+    return [f"{r}: {p}" for r, row in rows.items() for p in row.problems if ALONE not in p]
+
+
+def split_problems(specs: dict[str, RoleSpec], gpus: int) -> list[str]:
+    """cluster.placement=split gives each role GPUs of its own: the roles' ranks add up (check_fits)."""
+    sizes = {r: s.layout.tp * s.layout.pp * s.layout.dp for r, s in specs.items()}
+    if sum(sizes.values()) <= gpus:
+        return []
+    terms = " + ".join(f"{r} {n}" for r, n in sizes.items())
+    return [f"split placement: {terms} = {sum(sizes.values())} ranks > {gpus} GPUs"]
 
 
 def released_peak(rows: dict[str, Row], hw: Hardware) -> int:
@@ -196,7 +235,7 @@ def recommend_pp(specs: dict[str, RoleSpec], gpus: int, hw: Hardware, gpus_per_n
             if gpus % (s.layout.tp * pp) == 0}
         if len(trial) != len(specs):
             continue
-        _, total, problems = colocated(trial, hw, gpus_per_node)
+        _, total, problems = colocated(trial, hw, gpus_per_node, gpus)
         if not problems and total * (1 + margin) <= (hw.gpu_mem_gib - hw.headroom_gib) * GIB:
             return pp
     return None
@@ -275,12 +314,13 @@ def step_time(specs: dict[str, RoleSpec], gpus: int, hw: Hardware, gpus_per_node
 
 
 def with_world(specs: dict[str, RoleSpec], gpus: int) -> dict[str, RoleSpec]:
-    """The configured TP/PP on ``gpus`` GPUs (DP recomputed unless the config fixes it)."""
-    return {r: dataclasses.replace(s, layout=dataclasses.replace(s.layout, dp=max(1, gpus // (s.layout.tp *
-                                                                                               s.layout.pp))))
-            for r, s in specs.items()}
+    """The configured TP/PP on ``gpus`` GPUs: DP = gpus / (TP x PP), at least 1, unless the config fixes it (then
+    TP x PP x DP may exceed ``gpus``: fit_problems says so)."""
+    return {r: s if s.dp_fixed else dataclasses.replace(s, layout=dataclasses.replace(
+        s.layout, dp=max(1, gpus // (s.layout.tp * s.layout.pp)))) for r, s in specs.items()}
 
 
 __all__ = ["RoleSpec", "Row", "role_specs", "enumerate_layouts", "colocated", "released_peak", "process_bytes",
            "context_bytes", "recommend_pp", "step_time",
-           "comm_times", "phase_names", "evaluate", "layout_problems", "role_arch", "with_world"]
+           "comm_times", "phase_names", "evaluate", "layout_problems", "role_arch", "with_world", "fit_problems",
+           "cannot_run", "split_problems", "ALONE"]
