@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="megatron-ppo checkpoint", description="trainer checkpoints on disk")
     sub = p.add_subparsers(dest="action", required=True)
     v = sub.add_parser("verify", help="check every file of a run's checkpoints against its manifest.json",
-                       description=main.__doc__.splitlines()[0])
+                       description=" ".join(main.__doc__.split()))
     v.add_argument("dir", help="a run's checkpoint dir (trainer.default_local_dir) or one global_step_<N> in it")
     v.add_argument("--full", action="store_true", help="compare sha256 digests too (reads every byte; only steps "
                    "saved with trainer.verify_checkpoint=full have them)")
@@ -190,9 +190,23 @@ def verify_command(directory: str, full: bool = False) -> int:
             print(f"{os.path.join(c.directory, str(problem))}")
     unverified = sum(c.manifest is None and not c.problems for c in checks)
     print(f"{len(checks)} checkpoint(s): {len(checks) - len(damaged) - unverified} ok, {len(damaged)} damaged, "
-          f"{unverified} without a manifest (not verified); {'sizes and digests' if full else 'sizes'} checked in "
+          f"{unverified} without a manifest (not verified); {_what_was_checked(checks, full)} in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     return 1 if damaged else 0
+
+
+def _what_was_checked(checks, full: bool) -> str:
+    """'sizes', or with --full which steps' digests: only steps saved with trainer.verify_checkpoint=full have
+    them, and saying "digests checked" of a step without any would be a false assurance."""
+    if not full:
+        return "sizes checked"
+    with_digests = sum(c.manifest is not None and c.manifest.get("digest") == DIGEST for c in checks)
+    if with_digests == 0:
+        return ("sizes checked; no digests to check (none recorded: steps saved with trainer.verify_checkpoint=full "
+                "have them)")
+    if with_digests < len(checks):
+        return f"sizes checked, and digests of the {with_digests} of {len(checks)} steps that recorded them"
+    return "sizes and digests checked"
 
 
 def _print_table(checks, root: str, full: bool) -> None:

@@ -208,6 +208,7 @@ def test_checkpoint_verify_command_prints_a_table_and_exits_1_on_damage(tmp_path
     assert cli.main(["checkpoint", "verify", str(tmp_path), "--full"]) == 0
     out = capsys.readouterr().out
     assert "3 checkpoint(s): 2 ok, 0 damaged, 1 without a manifest" in out and "no manifest" in out
+    assert "digests of the 2 of 3 steps that recorded them" in out
 
     flip_byte(tmp_path / "global_step_2" / SHARD)
     assert cli.main(["checkpoint", "verify", str(tmp_path)]) == 0  # sizes only: a flipped byte is not seen
@@ -218,7 +219,10 @@ def test_checkpoint_verify_command_prints_a_table_and_exits_1_on_damage(tmp_path
     assert "3 checkpoint(s): 1 ok, 1 damaged, 1 without a manifest" in out
 
     assert cli.main(["checkpoint", "verify", str(tmp_path / "global_step_1"), "--full"]) == 0  # one step dir
-    assert "1 checkpoint(s): 1 ok" in capsys.readouterr().out
+    assert "1 checkpoint(s): 1 ok" in (out := capsys.readouterr().out) and "sizes and digests checked" in out
+    save_step(tmp_path / "sizes_only", 4)  # saved without digests: --full must not claim it checked any
+    assert cli.main(["checkpoint", "verify", str(tmp_path / "sizes_only"), "--full"]) == 0
+    assert "no digests to check (none recorded" in (out := capsys.readouterr().out) and "digests checked" not in out
     assert cli.main(["checkpoint", "verify", str(tmp_path / "global_step_1" / "actor")]) == 2  # no checkpoint
     assert "no global_step_<N> directory" in capsys.readouterr().err
 
