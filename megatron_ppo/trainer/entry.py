@@ -29,25 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from megatron_ppo import console
     from megatron_ppo.config.checks import unsupported_settings
-    from megatron_ppo.trainer.preflight import check_device, describe_plan, run_preflight
+    from megatron_ppo.trainer.preflight import describe_plan, run_preflight
 
     console.setup_logging()
     cfg = load_config(args.config, args.overrides)
     refused = unsupported_settings(cfg)
     if refused:
         raise UsageError(f"the driver does not support {refused}. Nothing was run.")
-    checked = run_preflight(cfg)  # inputs, outputs, loggers, models: in seconds, before torch/Megatron/Ray
-    import torch
-
-    check_device(cfg, torch.cuda.is_available())
-    if cfg.cluster.launcher == "ray":
-        from megatron_ppo.distributed import LayoutError
-        from megatron_ppo.trainer.groups import plan
-
-        try:  # the arithmetic, before any process starts
-            plan(cfg)
-        except LayoutError as exc:
-            raise UsageError(f"{exc}. Nothing was run.") from exc
+    # inputs, outputs, loggers, models, then cluster.device and the layout arithmetic: in seconds, before any
+    # process starts; "preflight ok" is logged only when every check passed (--dry-run runs the same checks)
+    checked = run_preflight(cfg)
     if args.dry_run:
         print(describe_plan(cfg, checked))
         return 0
@@ -99,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     last = history[-1] if history else {}
     score = last.get("reward/score/mean", math.nan)
     logs = cfg.trainer.expand(cfg.trainer.log_dir)
-    print(f"megatron-ppo train: {len(history)} steps done; last reward/score/mean={score:.4f}")
+    print(f"megatron-ppo train: {len(history)} step{'' if len(history) == 1 else 's'} done; last "
+          f"reward/score/mean={score:.4f}")
     print(console.written_paths(cfg, logs))
     return 0

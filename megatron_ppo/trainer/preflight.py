@@ -11,8 +11,10 @@ naming the config key, the file and the fix, instead of a traceback after a minu
   models     <role>.model.path: an HF directory with a config.json of a supported architecture, whose attention
              heads, KV heads, MLP width and layers the role's cluster.<role> TP and PP divide (config.checks' rule
              for `arch:` models; megatron-core would refuse the layout in every rank's setup, after Ray start-up)
-The device (cluster.device) and the layout arithmetic are checked by trainer/entry.py right after this.
-`megatron-ppo train --dry-run` stops after these checks and prints `describe_plan`.
+  machine    cluster.device against torch.cuda.is_available(), and with cluster.launcher=ray the layout arithmetic
+             (trainer.groups.plan): last, as they import torch (which the run imports next anyway)
+Only then is "preflight ok" logged. `megatron-ppo train --dry-run` stops after these checks and prints
+`describe_plan`.
 """
 from __future__ import annotations
 
@@ -29,10 +31,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron_ppo.data.schema import SchemaError, check_prompt_column
 from megatron_ppo.errors import UsageError
 
 log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")  # as convert/mapping.py (not imported: it loads torch)
+RUN_DIR_FILES = ("metrics.jsonl", "run.json", "train.log")  # what a run rewrites in trainer.log_dir before step 1
 
 
 class PreflightError(UsageError):
@@ -54,18 +58,43 @@ def _first_existing(path: Path) -> Path:
     return path
 
 
-def check_writable(key: str, directory: str) -> None:
-    """`directory` exists and takes a file, or can be created: tried for real (root ignores permission bits)."""
-    path = Path(directory)
-    base = _first_existing(path)
+def check_writable(key: str, directory: str, files: tuple[str, ...] = ()) -> None:
+    """`directory` exists and takes a file, or can be created, and its `files` that exist can be rewritten: tried for
+    real (root ignores permission bits; a broken symlink or a name too long only shows when the directory is made),
+    and the directories the trial made are removed again (a dry run leaves nothing)."""
+    path = Path(directory).absolute()
+    try:
+        base = _first_existing(path)
+    except OSError as exc:  # e.g. a name too long
+        raise PreflightError(f"{key}={directory}: {exc.strerror}; choose another {key}") from None
     if not base.is_dir():
         raise PreflightError(f"{key}={directory}: {base} is a file, not a directory; choose another {key}")
+    made: list[Path] = []
     try:
-        with tempfile.TemporaryFile(dir=base):
+        for d in [*reversed(path.relative_to(base).parents), path.relative_to(base)][1:]:
+            d = base / d
+            if d.is_symlink():  # exists() was false: it points nowhere
+                raise PreflightError(f"{key}={directory}: {d} is a symlink to {os.readlink(d)}, which does not "
+                                     f"exist; create its target or choose another {key}")
+            d.mkdir()
+            made.append(d)
+        with tempfile.TemporaryFile(dir=path):
             pass
+        for name in files:
+            f = path / name
+            if f.is_dir() or (f.exists() and not os.access(f, os.W_OK)):
+                raise PreflightError(f"{key}={directory}: {f} is {'a directory' if f.is_dir() else 'not writable'}"
+                                     f"; remove it or choose another {key}")
     except OSError as exc:
-        raise PreflightError(f"{key}={directory}: cannot write in {base} ({exc.strerror}); choose a writable "
+        where = exc.filename or path
+        raise PreflightError(f"{key}={directory}: cannot write in {where} ({exc.strerror}); choose a writable "
                              f"{key}") from None
+    finally:
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
 
 def _parquet_files(key: str, entries: list[str]) -> list[Path]:
@@ -102,6 +131,10 @@ def check_data_files(cfg, key: str, max_samples: int, prompts: bool = True) -> D
         if missing:
             raise PreflightError(f"{key}: {path} has no column {', '.join(missing)}; columns present: "
                                  f"{schema.names} (megatron-ppo preprocess writes verl's schema)")
+        try:  # its type from the schema alone (PromptDataset checks the same on read, minutes later)
+            check_prompt_column(schema, str(path), prompt_key)
+        except SchemaError as exc:
+            raise PreflightError(f"{key}: {exc}" + ("" if prompt_key == "prompt" else " (data.prompt_key)")) from None
         table = pq.ParquetFile(path).read(columns=["data_source", "reward_model"])  # (read_table loads pandas)
         if budget is not None:
             table = table.slice(0, budget)
@@ -292,18 +325,19 @@ def _preprocess_outputs(cfg) -> set[Path]:
     return {(Path(pre.output_dir) / f"{s}.parquet").absolute() for s in SPLITS}
 
 
-def run_preflight(cfg) -> dict:
-    """All checks; raises PreflightError at the first problem. Returns what describe_plan prints."""
+def run_preflight(cfg, machine: bool = True) -> dict:
+    """All checks; raises PreflightError at the first problem, then logs "preflight ok". Returns what describe_plan
+    prints. machine=False leaves out cluster.device and the layout arithmetic (check_machine), which import torch."""
     start = time.monotonic()
     t = cfg.trainer
-    check_writable("trainer.log_dir", t.expand(t.log_dir))
+    check_writable("trainer.log_dir", t.expand(t.log_dir), RUN_DIR_FILES)
     if cfg.rollout.dump_dir:
         check_writable("rollout.dump_dir", cfg.rollout.dump_dir)
     check_loggers(cfg)
     check_model_paths(cfg)
     if cfg.rollout.name == "vllm":
         from megatron_ppo.rollout.vllm import check_vllm_python
-        from megatron_ppo.rollout.vllm_layout import check_engine_layout
+        from megatron_ppo.trainer.vllm_preflight import check_engine_layout
 
         try:
             check_engine_layout(cfg)  # the engines' TP x PP against the replicas' GPUs; a shared weights_dir
@@ -327,6 +361,9 @@ def run_preflight(cfg) -> dict:
         for key in ("train_files", "val_files"):
             if getattr(cfg.data, key):
                 check_data_files(cfg, f"data.{key}", -1, prompts=False)
+        if machine:
+            check_machine(cfg)
+        log.info("preflight ok (offline trajectories) in %.1f s", time.monotonic() - start)
         return {"data": summaries}
     for key, max_samples in (("train_files", cfg.data.train_max_samples), ("val_files", cfg.data.val_max_samples)):
         entries = getattr(cfg.data, key)
@@ -342,6 +379,8 @@ def run_preflight(cfg) -> dict:
                              f"data.train_files {train.files}{capped}: no batch fits; lower data.train_batch_size "
                              "or add data")
     check_rewards(cfg, set().union(*(s.data_sources for s in summaries.values())) if summaries else set())
+    if machine:
+        check_machine(cfg)
     rows = f"{train.rows} train rows, " if train is not None else ""
     log.info("preflight ok (%sdata sources %s) in %.1f s; next: %s start-up and model build (a minute or more on "
              "CPU)", rows, sorted(set().union(*(s.data_sources for s in summaries.values()))) if summaries else [],
@@ -352,7 +391,7 @@ def run_preflight(cfg) -> dict:
 def describe_plan(cfg, checked: dict) -> str:
     """The resolved plan `--dry-run` prints: layout, batch arithmetic, steps."""
     d, t = cfg.data, cfg.trainer
-    lines = ["preflight: ok (config, data, rewards, output dirs, loggers, model paths and layouts)"]
+    lines = ["preflight: ok (config, data, rewards, output dirs, loggers, model paths and layouts, device)"]
     c = cfg.cluster
     lines.append(f"cluster: launcher={c.launcher} device={c.device} nnodes={c.nnodes} "
                  f"n_gpus_per_node={c.n_gpus_per_node}")
@@ -380,14 +419,31 @@ def describe_plan(cfg, checked: dict) -> str:
     return "\n".join(lines)
 
 
+def check_machine(cfg) -> None:
+    """cluster.device against this machine and, with cluster.launcher=ray, the arithmetic of placing every rank
+    (trainer.groups.plan; LayoutError with the numbers), before any process starts. Both import torch."""
+    if cfg.cluster.device != "auto":
+        import torch
+
+        check_device(cfg, torch.cuda.is_available())
+    if cfg.cluster.launcher == "ray":
+        from megatron_ppo.distributed import LayoutError
+        from megatron_ppo.trainer.groups import plan
+
+        try:
+            plan(cfg)
+        except LayoutError as exc:
+            raise PreflightError(f"{exc}. Nothing was run.") from exc
+
+
 def check_device(cfg, cuda_available: bool) -> None:
-    """cluster.device against this machine: cuda without CUDA is refused (UsageError naming the key); cpu on a CUDA
+    """cluster.device against this machine: cuda without CUDA is refused (PreflightError naming the key); cpu on a CUDA
     machine is warned about (the ranks use CUDA whenever it is there; tiny_cpu.yaml says cpu and
     should still run on a GPU box). Checked where training starts, not at config load: configs for GPU clusters
     are validated on CPU machines."""
     device = cfg.cluster.device
     if device == "cuda" and not cuda_available:
-        raise UsageError("cluster.device=cuda, but torch.cuda.is_available() is false on this machine (the run "
+        raise PreflightError("cluster.device=cuda, but torch.cuda.is_available() is false on this machine (the run "
                          "would go to the CPU); set cluster.device=auto or cpu, or run where CUDA is. Nothing was run.")
     if device == "cpu" and cuda_available:
         logging.getLogger(__name__).warning(

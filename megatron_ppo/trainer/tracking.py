@@ -39,14 +39,35 @@ def _records_in(path: str) -> int:
         return sum(1 for line in f if line.strip())
 
 
+def _last_step_in(path: str) -> int:
+    """The highest training step recorded in metrics.jsonl: 0 when there is none (no file, empty, or only the
+    validation before training, logged at step 0); a line that is not a record counts as a step (kept, not lost)."""
+    last = 0
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    step = json.loads(line)["step"]
+                    last = max(last, step if isinstance(step, int) else 1)
+                except (ValueError, KeyError, TypeError):
+                    last = max(last, 1)
+    return last
+
+
 def claim_log_dir(trainer_cfg, config_text: str, resume_step: int | None = None) -> str:
     """Make trainer.log_dir this run's, before anything expensive is built; returns the expanded directory.
 
-    A metrics.jsonl with records from an earlier run is refused (records of two runs in one file cannot be told
-    apart) unless trainer.overwrite, which empties it. Then run.json names this run: start time and the sha256 of
-    its resolved config. Resuming from a checkpoint of step ``resume_step`` is the one case where the earlier
-    records stay: those after that step are dropped (the resumed run writes them again), so the file holds each
-    step once, and the run appends (Tracker(append=True)).
+    A metrics.jsonl with training steps of an earlier run is refused (records of two runs in one file cannot be
+    told apart) unless trainer.overwrite, which empties it. An earlier run that never logged a training step (it
+    failed, or was stopped or killed, before step 1: an empty file, or only its validation at step 0) does not
+    block: its file is started afresh, as the rerun logs that validation again. Accepted here rather than cleaned
+    up on the way out, because a start that is killed (SIGKILL, the OOM killer, a lost node) runs no clean-up;
+    run.json and train.log stay until the rerun replaces or appends to them (train.log holds the error). Then
+    run.json names this run: start time and the sha256 of its resolved config. Resuming from a checkpoint of step
+    ``resume_step`` is the one case where the earlier records stay: those after that step are dropped (the resumed
+    run writes them again), so the file holds each step once, and the run appends (Tracker(append=True)).
     """
     t = trainer_cfg
     log_dir = t.expand(t.log_dir)
@@ -54,19 +75,24 @@ def claim_log_dir(trainer_cfg, config_text: str, resume_step: int | None = None)
         return log_dir
     metrics = os.path.join(log_dir, METRICS_FILE)
     records = _records_in(metrics)
+    last_step = _last_step_in(metrics) if records else 0
     if resume_step is not None:
         os.makedirs(log_dir, exist_ok=True)
         _truncate_after(metrics, resume_step)
-    elif records and not t.overwrite:
+    elif last_step and not t.overwrite:
         elsewhere = ("a new trainer.experiment_name" if "{experiment_name}" in t.log_dir
                      else "another trainer.log_dir")
         raise LogDirInUseError(
-            f"trainer.log_dir={log_dir}: {metrics} already holds {records} records of an earlier run "
-            f"({_describe_run(os.path.join(log_dir, RUN_FILE))}); a second run would be mixed into the same file. "
-            f"Set trainer.overwrite=true to start it afresh, or choose {elsewhere}")
+            f"trainer.log_dir={log_dir}: {metrics} already holds {records} records of an earlier run (up to step "
+            f"{last_step}; {_describe_run(os.path.join(log_dir, RUN_FILE))}); a second run would be mixed into the "
+            f"same file. Set trainer.overwrite=true to start it afresh, or choose {elsewhere}")
     else:
+        if records and not t.overwrite:
+            logging.getLogger(__name__).info(
+                "trainer.log_dir=%s: the earlier run there logged no training step (%d validation record(s) at "
+                "step 0); starting %s afresh", log_dir, records, METRICS_FILE)
         os.makedirs(log_dir, exist_ok=True)
-        open(metrics, "w").close()  # empty: this run's records only (overwrite, or no records yet)
+        open(metrics, "w").close()  # empty: this run's records only (overwrite, or no training step yet)
     run = {"run_start": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
            "project_name": t.project_name, "experiment_name": t.experiment_name, "metrics": METRICS_FILE}
