@@ -410,8 +410,9 @@ class TrainerConfig:
     logger: list[Logger] = field(["console", "jsonl"], "metric sinks: " + ", ".join(LOGGERS))
     log_dir: str = field("logs/{project_name}/{experiment_name}", "jsonl/tensorboard output; "
                          "{project_name} and {experiment_name} are filled in", None)
-    overwrite: bool = field(False, "a log_dir whose metrics.jsonl already has records is refused (runs are never "
-                            "mixed in one file); true: start that file afresh", None)
+    overwrite: bool = field(False, "a log_dir whose metrics.jsonl already has records of training steps is "
+                            "refused (runs are never mixed in one file; a run that logged no step does not count); "
+                            "true: start that file afresh", None)
     default_local_dir: str = field("checkpoints/{project_name}/{experiment_name}", "checkpoint directory "
                                    "(same placeholders)")
     resume_mode: Literal["auto", "disable", "resume_path"] = field("auto", "auto: latest checkpoint in "

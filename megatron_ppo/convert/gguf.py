@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_ppo.errors import UsageError
+from megatron_ppo.file_modes import publish_tree
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STAMP = "source.json"
@@ -79,6 +80,7 @@ def gguf_to_hf(gguf: str | Path, out: str | Path) -> Path:
         tok.save_pretrained(tmp)
         files = {f.name: f.stat().st_size for f in Path(tmp).iterdir() if f.is_file()}
         (Path(tmp) / STAMP).write_text(json.dumps({"source": source, "files": files}, indent=1))
+        publish_tree(tmp)  # mkdtemp's 0700 and safetensors' 0600 would keep others out of the model
         old = None
         if out.exists():
             old = out.parent / f".{out.name}-old-{os.getpid()}"

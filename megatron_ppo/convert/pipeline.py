@@ -55,6 +55,7 @@ from megatron_ppo.convert.mcore_io import (
     single_process_group,
 )
 from megatron_ppo.convert.report import ConversionReport, RssSampler, print_table, report_rows, rss_text
+from megatron_ppo.file_modes import publish_tree
 from megatron_ppo.models.vocab_rows import vocab_rows_problem
 
 logger = logging.getLogger(__name__)
@@ -81,9 +82,7 @@ def atomic_output_dir(final: str, overwrite: bool = False):
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=parent)
     try:
         yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
+        publish_tree(tmp)  # mkdtemp's 0700 and safetensors' 0600 would keep others out of the output
         if os.path.isdir(final):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.old-", dir=parent)
             os.rmdir(old)

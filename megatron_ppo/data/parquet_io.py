@@ -10,13 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megatron_ppo.data.manifest import check_against_manifest
-
-
-def umask_mode(mode: int = 0o666) -> int:
-    """``mode`` as the process's umask lets a new file have it (what ``open`` would give)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask
+from megatron_ppo.file_modes import umask_mode
 
 
 def atomic_write_table(table: pa.Table, path: str | Path) -> Path:

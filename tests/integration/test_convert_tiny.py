@@ -113,6 +113,11 @@ def test_cli_both_directions(tiny_models, tmp_path, capsys):
     assert convert_main(["mcore-to-hf", "--mcore", str(tmp_path / "m"), "--out", str(tmp_path / "h")]) == 0
     assert "verification summary" in capsys.readouterr().out
     assert compare_hf_checkpoints(hf_dir, str(tmp_path / "h")) == []
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, dirs, files in os.walk(tmp_path):  # readable by others as any file the user makes, not 0600 / 0700
+        for name, want in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:
+            assert os.stat(os.path.join(root, name)).st_mode & 0o777 == want & ~umask, os.path.join(root, name)
     # --hf-config points at any HF directory with the config and tokenizer.
     assert convert_main(["mcore-to-hf", "--mcore", str(tmp_path / "m"), "--out", str(tmp_path / "h2"),
                          "--hf-config", hf_dir, "--quiet"]) == 0
