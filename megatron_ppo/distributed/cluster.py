@@ -9,12 +9,19 @@ into one, which hides exactly the per-rank output a failing run needs.
 Ray's own start-up chatter is configured away (``ray_quiet_env`` and ``logging_level``, see there): a user should
 see our lines and the ranks' output and errors, not Ray's notes to cluster operators. ``--verbose`` keeps Ray's.
 ``RayCluster.shutdown()`` disconnects; a cluster we started stops with it and its temp dir is removed.
+
+Temp files of the ranks: a local cluster's processes (GCS, raylet, and so every rank) get ``TMPDIR`` inside that
+temp dir, so what they leave in it goes with it. Ranks end by ``ray.kill``, which runs no exit handlers: the module
+-level ``TemporaryDirectory`` objects of wandb (imported by megatron.core, ``tmp*wandb-media``/``-artifacts``) and
+the ``pymp-*`` dirs of dist_checkpointing's multiprocessing Manager used to stay in the user's ``$TMPDIR``, two to
+three per rank and run. torch's compile cache (``torchinductor_<user>``, reused by every run) stays where it was.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -123,7 +130,7 @@ def connect_or_start(address: str | None = None, num_cpus: float | None = None, 
         temp_dir = tempfile.mkdtemp(prefix="ray-mppo-")
         children = _child_pids()
         try:
-            with _quiet_auth_note(_ray_logging_level() > logging.INFO):
+            with _quiet_auth_note(_ray_logging_level() > logging.INFO), _children_tmpdir(temp_dir):
                 ctx = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
                                include_dashboard=include_dashboard, object_store_memory=object_store_memory,
                                log_to_driver=log_to_driver, _temp_dir=temp_dir, logging_level=_ray_logging_level())
@@ -140,6 +147,38 @@ def connect_or_start(address: str | None = None, num_cpus: float | None = None, 
             shutil.rmtree(temp_dir, ignore_errors=True)
             raise
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _children_tmpdir(temp_dir: str):
+    """``TMPDIR`` = ``<temp_dir>/tmp`` for the processes ray.init starts (they copy this process's environment);
+    this process keeps its own (``tempfile`` cached it already). torch's compile cache stays shared across runs."""
+    private = os.path.join(temp_dir, "tmp")
+    os.makedirs(private, exist_ok=True)
+    saved = {key: os.environ.get(key) for key in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
+    if saved["TORCHINDUCTOR_CACHE_DIR"] is None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _torch_cache_dir()
+    os.environ["TMPDIR"] = private
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _torch_cache_dir() -> str:
+    """Where torch's inductor cache would be without our TMPDIR (torch's default_cache_dir, computed here so as
+    not to import torch._inductor)."""
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 # Ray waits a fixed 30 s (ray/_private/node.py, not configurable) for a fresh raylet to register with the GCS; on a

@@ -6,6 +6,7 @@ on Ray ranks or in this process; the driver holds only data, rewards and the KL 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from megatron_ppo import roles
 from megatron_ppo.convert.hf_import import convert_for_roles
 from megatron_ppo.rollout.source import OfflineSource, OnlineSource, RolloutSource, sampling_params
 from megatron_ppo.rollout.stop import ResponseStop
+from megatron_ppo.trainer import progress
 from megatron_ppo.trainer.groups import RoleGroups, build_groups
 from megatron_ppo.trainer.run_record import write_run_record
 from megatron_ppo.trainer.tracking import Tracker
@@ -112,9 +114,25 @@ def total_training_steps(cfg, num_prompts: int) -> int:
     return cfg.trainer.total_training_steps or max(num_prompts // cfg.data.train_batch_size, 1) * cfg.trainer.total_epochs
 
 
+def building_line(cfg) -> str:
+    """What the next minutes are: 'building the roles on Ray: actor, critic, ref from models/X (each rank reads its
+    own weight slices; the actor's rollout engine: megatron) ...'."""
+    by_source: dict[str, list[str]] = {}
+    for role in cfg.roles:
+        path = cfg.model_for(role).path
+        by_source.setdefault(f"from {path}" if path else "with random weights", []).append(role)
+    models = "; ".join(f"{', '.join(rs)} {src}" for src, rs in by_source.items())
+    where = "in this process" if cfg.cluster.launcher == "local" else "on Ray"
+    notes = ["each rank reads its own weight slices"] if any(cfg.model_for(r).path for r in cfg.roles) else []
+    if "actor" in cfg.roles:
+        notes.append(f"the actor's rollout engine: {cfg.rollout.name}")
+    return f"building the roles {where}: {models}" + (f" ({'; '.join(notes)})" if notes else "") + " ..."
+
+
 def build_components(cfg, worker_classes: dict | None = None, resuming: bool = False) -> Components:
     """worker_classes: {role: class or import path} overriding the roles table's worker (tests); resuming:
     the run continues a checkpoint (its metrics.jsonl is appended to)."""
+    start = time.monotonic()
     built_tokenizer = prepare_data(cfg)
     tokenizer = load_tokenizer(cfg.actor.model.tokenizer_path or built_tokenizer or cfg.actor.model.path)
     policy = overlong_policy_from_verl(cfg.data.filter_overlong_prompts, cfg.data.truncation)
@@ -150,6 +168,11 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
                                   temperature=cfg.rollout.temperature, tokenizer=tokenizer)
         dumper = lambda step, batch: writer.append(step, trajectory_rows(batch, tokenizer))  # noqa: E731
     convert_for_roles(cfg, cfg.roles)  # HF headers checked before any rank starts; each rank reads its own slices
+    # after every driver-side check (a refusal stays the only line), before the minutes of rank start-up
+    progress.announce("data: %d train %s, %s validation prompts (read and checked in %s)", len(train),
+                      "trajectories" if cfg.rollout.mode == "offline" else "prompts", len(val) if val else "no",
+                      progress.duration(time.monotonic() - start))
+    progress.announce("%s", building_line(cfg))
     try:  # last: the groups are what needs closing
         groups = build_groups(cfg, vocab, total_steps, worker_classes)
     except BaseException:

@@ -25,6 +25,8 @@ from megatron_ppo.data.batch import RolloutBatch, chunk_rows
 from megatron_ppo.rewards.batch import score_responses
 from megatron_ppo import ops, roles
 from megatron_ppo.trainer import checkpoint as ckpt
+from megatron_ppo.trainer import progress
+from megatron_ppo.trainer.progress import BatchProgress
 from megatron_ppo.trainer.tracking import timed
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,12 @@ class PPOTrainer:
     def fit(self, total_steps: int) -> list[dict]:
         history = []
         if self.cfg.trainer.val_before_train and self.p.val_source is not None and self.resumed_from is None:
-            self.p.tracker.log(self.validate(), step=0)
+            self.p.tracker.log(self.validate(announce_as="validation before training"), step=0)
+        if self.step < total_steps:
+            d = self.cfg.data
+            progress.announce("training: steps %d-%d of %d prompts x %d response(s), up to %d tokens each; a line a "
+                              "step", self.step + 1, total_steps, d.train_batch_size, self.cfg.rollout.n,
+                              d.max_response_length)
         save_freq = self.cfg.trainer.save_freq
         while self.step < total_steps:
             self.step += 1
@@ -364,13 +371,22 @@ class PPOTrainer:
         if self.p.dumper is not None:
             self.p.dumper(self.step, batch)
 
-    def validate(self) -> dict:
-        """val_kwargs generation (n responses per prompt) on the validation prompts; mean reward per data source."""
+    def validate(self, announce_as: str | None = None) -> dict:
+        """val_kwargs generation (n responses per prompt) on the validation prompts; mean reward per data source.
+        announce_as: a name, to log a start line, a line a batch and the duration (before training: minutes of silence
+        with a real model otherwise)."""
         source = self.p.val_source
         size = self.cfg.data.val_batch_size or len(source)
         scores, sources = [], []
+        val = self.cfg.rollout.val_kwargs
+        greedy = not val.do_sample or val.temperature == 0
+        bar = None if announce_as is None else BatchProgress(
+            announce_as, len(source), size, detail=f"{'greedy' if greedy else 'sampled'}, n={val.n}, up to "
+            f"{self.cfg.data.max_response_length} tokens")
         for rows in chunk_rows(list(range(len(source))), size):
             batch = source.batch(rows, self.step)
+            if bar is not None:
+                bar.advance(len(rows))
             self.score(batch, {})
             scores += batch.tensors["sequence_scores"].tolist()
             sources += batch.meta["data_source"]

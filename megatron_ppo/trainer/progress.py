@@ -6,16 +6,57 @@ file or a pipe (CI, Slurm, `| tee`) a live bar cannot redraw: rich prints its fi
 forced, writes cursor-movement codes into the log), so there each step prints its summary line and nothing else,
 which is what `grep`/`tail -f` want. The choice is `stream.isatty()` (and TERM != dumb), not rich's own detection,
 which FORCE_COLOR in a CI environment turns to "terminal".
+
+Before step 1 (``announce``, ``BatchProgress``): one log line as each start-up phase begins (data, building the
+roles, validation before training with a line per batch and its duration, training). With a real model these phases
+take minutes (SmolLM2 on 2 cores: ~7 min for the first validation alone), and a silent console reads as a hang.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import time
 
 from megatron_ppo import console
 
 BAR_FIELDS = ("reward", "kl", "time", "eta")  # after "step i/N": what the bar shows (the issue's words)
+
+log = logging.getLogger(__name__)
+
+
+def duration(seconds: float) -> str:
+    """'4.2 s' under a minute, else 'm:ss' or 'h:mm:ss'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def announce(message: str, *args) -> None:
+    """A start-up phase begins: one line on the console (and in train.log)."""
+    log.info(message, *args)
+
+
+class BatchProgress:
+    """A long loop over batches before training: a start line, '<what>: i/N <unit>, <elapsed>' after each batch
+    but the last, and '<what>: N <unit> in <duration>' at the end."""
+
+    def __init__(self, what: str, total: int, batch: int, unit: str = "prompts", detail: str = ""):
+        self.what, self.total, self.unit, self.done_count = what, total, unit, 0
+        self.start = time.monotonic()
+        batches = max(1, -(-total // max(batch, 1)))
+        log.info("%s: %d %s in %d batch%s of %d%s ...", what, total, unit, batches, "" if batches == 1 else "es",
+                 min(batch, total), f" ({detail})" if detail else "")
+
+    def advance(self, n: int) -> None:
+        self.done_count += n
+        elapsed = duration(time.monotonic() - self.start)
+        if self.done_count < self.total:
+            log.info("%s: %d/%d %s, %s", self.what, self.done_count, self.total, self.unit, elapsed)
+        else:
+            log.info("%s: %d %s in %s", self.what, self.total, self.unit, elapsed)
 
 
 def is_terminal(stream) -> bool:

@@ -5,14 +5,20 @@ processes, real signals.
 The SIGTERM run also checks the default thread rule (cluster.num_cpus_per_rank: auto): with one Ray rank per role and
 no thread setting, each rank computes with every core of this machine (the roles share the bundle and take turns),
 says so once per role at start-up and records it in layout.json. The old rule (num_cpus_per_rank defaulting to 1)
-ran each rank on one thread whatever the machine had. (It shares this run to save CI a Ray run of its own.)"""
+ran each rank on one thread whatever the machine had. (It shares this run to save CI a Ray run of its own.)
+
+Both runs also check that the run removes every temp dir it made (issue 49): the ranks end by ray.kill, which ran
+no exit handlers, and left wandb's ``tmp*wandb-*`` dirs (two per rank) and dist_checkpointing's ``pymp-*`` in
+``$TMPDIR`` after an exit 0 as after Ctrl-C. Only torch's compile cache, reused by every run, may stay."""
 from __future__ import annotations
 
 import json
 import os
 import signal
 import subprocess
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,8 +41,10 @@ def test_train_signal_is_short_and_leaves_no_process(tmp_path, sig, code):
     layout = ["cluster.actor.tensor_model_parallel_size=1", "cluster.ref.tensor_model_parallel_size=1",
               "cluster.n_gpus_per_node=1"] if one_rank_per_role else []
     env = dict(os.environ)
-    for key in ("RAY_ADDRESS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for key in ("RAY_ADDRESS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
         env.pop(key, None)
+    tmpdir = Path(tempfile.mkdtemp(prefix="mppo-tmp-"))  # short: Ray's socket paths live under it
+    env["TMPDIR"] = str(tmpdir)
     proc = subprocess.Popen([sys.executable, "-m", "megatron_ppo.cli", "train", "trainer.total_training_steps=40",
                              "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.log_dir={tmp_path}/l",
                              f"trainer.default_local_dir={tmp_path}/ckpt", *layout], cwd=REPO, env=env,
@@ -51,7 +59,10 @@ def test_train_signal_is_short_and_leaves_no_process(tmp_path, sig, code):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        left = sorted(p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_"))
+        shutil.rmtree(tmpdir, ignore_errors=True)
     assert proc.returncode == code, (proc.returncode, stderr[-2000:])
+    assert left == [], f"temp dirs left in $TMPDIR: {left}"
     assert "Traceback" not in stderr, stderr[-3000:]
     ours = [line for line in stderr.splitlines() if line.startswith("megatron-ppo train:")]
     assert 1 <= len(ours) <= 3 and signal.Signals(sig).name in ours[0], stderr[-2000:]

@@ -101,3 +101,24 @@ def test_verbose_prints_every_metric_without_a_bar(monkeypatch):
     out = io.StringIO()
     tracker_line = StepProgress(2, stream=out, terminal=False).show(1, _metrics(1), verbose=True)
     assert "actor/m29=29" in tracker_line and out.getvalue() == tracker_line + "\n"
+
+
+def test_batch_progress_names_size_each_batch_and_duration(caplog, monkeypatch):
+    """Before step 1 (issue 49): a long validation says what it does, a line a batch, and how long it took."""
+    import logging
+
+    from megatron_ppo.trainer import progress
+
+    clock = iter([0.0, 95.0, 190.0, 285.0, 448.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    with caplog.at_level(logging.INFO, logger="megatron_ppo.trainer.progress"):
+        bar = progress.BatchProgress("validation before training", 256, 64, detail="greedy, n=1, up to 256 tokens")
+        for _ in range(4):
+            bar.advance(64)
+    assert [r.getMessage() for r in caplog.records] == [
+        "validation before training: 256 prompts in 4 batches of 64 (greedy, n=1, up to 256 tokens) ...",
+        "validation before training: 64/256 prompts, 1:35",
+        "validation before training: 128/256 prompts, 3:10",
+        "validation before training: 192/256 prompts, 4:45",
+        "validation before training: 256 prompts in 7:28"]
+    assert [progress.duration(s) for s in (4.24, 59.9, 61, 3725)] == ["4.2 s", "59.9 s", "1:01", "1:02:05"]
