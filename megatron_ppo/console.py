@@ -31,6 +31,12 @@ VERBOSE_ENV = "MEGATRON_PPO_VERBOSE"
 # loggers whose INFO output is configuration dumps and bucket lists, not news for the user
 NOISY_LOGGERS = ("megatron", "megatron.core", "torch.distributed", "transformer_engine", "apex", "ray", "filelock",
                  "urllib3", "httpx", "datasets")
+# libraries whose WARNING lines are advice for their developers, not the run's user (transformers' tokenizer notes,
+# 3 lines each, from every process that loads a tokenizer): ERROR only, unless --verbose
+ADVICE_LOGGERS = ("transformers",)
+# a record logged with ``extra=FILE_ONLY`` goes to the run's log file, not the screen (routine notices a user may
+# want when something went wrong, e.g. how much heap the ranks gave back before a save)
+FILE_ONLY = {"file_only": True}
 # warnings Megatron emits when TE/Apex are absent; collapsed into one line
 FALLBACK_WARNING_PATTERNS = (r".*[Tt]ransformer[ _-]?[Ee]ngine.*", r".*\bTE\b.*", r".*[Aa]pex.*",
                              r".*fused.*(kernel|layer ?norm|adam).*", r".*torch\.distributed\._.*deprecated.*")
@@ -71,6 +77,11 @@ def quiet(verbose: bool | None = None) -> None:
         return
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers sets up its logger
+    if "transformers.utils.logging" in sys.modules:  # set up already: it reset its level then
+        sys.modules["transformers.utils.logging"].set_verbosity_error()
+    for name in ADVICE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     for pattern in FALLBACK_WARNING_PATTERNS:
         warnings.filterwarnings("ignore", message=pattern)
     for category in (UserWarning, FutureWarning, DeprecationWarning):  # library advice meant for its developers
@@ -83,7 +94,18 @@ def setup_logging(verbose: bool | None = None) -> None:
     """Our own INFO lines, short; library loggers quietened (see quiet)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler) and \
+                not any(isinstance(f, _ScreenFilter) for f in handler.filters):
+            handler.addFilter(_ScreenFilter())
     quiet(verbose)
+
+
+class _ScreenFilter(logging.Filter):
+    """Keeps FILE_ONLY records off the screen (the run log's FileHandler still takes them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "file_only", False) or verbose_enabled()
 
 
 def set_run_log(path: str) -> str:

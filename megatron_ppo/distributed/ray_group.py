@@ -79,6 +79,10 @@ class RankActor:
         from megatron_ppo import console
 
         console.quiet()  # Megatron's config dumps and bucket lists, TE/Apex warnings: off unless --verbose
+        if console.verbose_enabled():  # the rank's own INFO lines (heap and cache releases) reach the driver's screen
+            import logging
+
+            logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         tp, pp, dp = layout
         torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS=1 for fractional/1-CPU actors: decide here
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(tp * pp * dp),
@@ -127,8 +131,8 @@ class RankActor:
         if seen is None:
             return
         self.heap_releases += 1
-        if self.heap_releases == 1 or self.heap_releases % 100 == 0:
-            logger.warning("%r: after %s %.0f %% of the memory was available (the host's, or its cgroup limit's; "
+        if self.heap_releases == 1 or self.heap_releases % 100 == 0:  # the rank's own log (--verbose shows it)
+            logger.info("%r: after %s %.0f %% of the memory was available (the host's, or its cgroup limit's; "
                            "under cluster.release_heap_below_available=%g): this rank gave back its free heap "
                            "(release %d; each costs page faults when the memory is touched again)", self, method,
                            100 * seen, self.release_below, self.heap_releases)

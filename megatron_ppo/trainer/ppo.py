@@ -23,7 +23,7 @@ from megatron_ppo.algo.rollout_correction import compute_rollout_correction_and_
 from megatron_ppo.config import to_yaml
 from megatron_ppo.data.batch import RolloutBatch, chunk_rows
 from megatron_ppo.rewards.batch import score_responses
-from megatron_ppo import ops, roles
+from megatron_ppo import console, ops, roles
 from megatron_ppo.trainer import checkpoint as ckpt
 from megatron_ppo.trainer import progress
 from megatron_ppo.trainer.progress import BatchProgress
@@ -190,7 +190,7 @@ class PPOTrainer:
         tmp = ckpt.begin_save(root, self.step)
         freed = {role: sum(self.p.groups.get(role).call_all("release_heap")) for role in self.enabled_roles()}
         log.info("before the save, the ranks gave back free heap (GB): %s",
-                 ", ".join(f"{role} {gb:.2f}" for role, gb in freed.items()))
+                 ", ".join(f"{role} {gb:.2f}" for role, gb in freed.items()), extra=console.FILE_ONLY)
         for role in self.trained_roles():
             states = self.p.groups.get(role).call_all("save_checkpoint", os.path.join(tmp, role))
             ckpt.write_worker_states(tmp, role, states)
