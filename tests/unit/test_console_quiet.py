@@ -26,8 +26,9 @@ def test_advice_and_file_only_notices_stay_off_the_screen_unless_verbose(tmp_pat
     env = {"MEGATRON_PPO_VERBOSE": "1"} if verbose else {}
     import os
 
+    base = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "MEGATRON_PPO_VERBOSE")}
     run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "train.log")], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, **env})
+                         timeout=120, env={**base, **env})  # (an earlier quiet() in this process set the first)
     assert run.returncode == 0, run.stderr
     screen, log = run.stdout + run.stderr, (tmp_path / "train.log").read_text()
     assert "STEP LINE" in screen and "STEP LINE" in log
