@@ -94,8 +94,8 @@ def setup_logging(verbose: bool | None = None) -> None:
     """Our own INFO lines, short; library loggers quietened (see quiet)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler) and \
+    for handler in logging.getLogger().handlers:  # the screen's handlers only (not a file, not pytest's capture)
+        if getattr(handler, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__) and \
                 not any(isinstance(f, _ScreenFilter) for f in handler.filters):
             handler.addFilter(_ScreenFilter())
     quiet(verbose)

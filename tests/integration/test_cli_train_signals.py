@@ -43,7 +43,8 @@ def test_train_signal_is_short_and_leaves_no_process(tmp_path, sig, code):
     env = dict(os.environ)
     for key in ("RAY_ADDRESS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
         env.pop(key, None)
-    tmpdir = Path(tempfile.mkdtemp(prefix="mppo-tmp-"))  # short: Ray's socket paths live under it
+    # short and directly under /tmp (not CI's own $TMPDIR): Ray's session sockets live under it, AF_UNIX <= 107 bytes
+    tmpdir = Path(tempfile.mkdtemp(prefix="mt", dir="/tmp"))
     env["TMPDIR"] = str(tmpdir)
     proc = subprocess.Popen([sys.executable, "-m", "megatron_ppo.cli", "train", "trainer.total_training_steps=40",
                              "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.log_dir={tmp_path}/l",
