@@ -48,6 +48,7 @@ def validate(cfg: PPOConfig, source: Optional[str] = None) -> None:
     _rollout(cfg, errs)
     _algorithm(cfg, errs)
     _trainer(cfg, errs)
+    _profiler(cfg, errs)
     _cluster(cfg, errs)
     if errs:
         raise ConfigError(list(dict.fromkeys(errs)), source)  # same rule hit twice (shared arch): once
@@ -428,6 +429,21 @@ def _async_rollout(cfg: PPOConfig, errs: _Errors) -> None:
     errs.check(cfg.rollout.name == "vllm", "trainer.async_rollout", f"one_step needs rollout.name=vllm, got "
                f"{cfg.rollout.name!r}: the Megatron engine generates inside the actor's own ranks, which step k's "
                "evaluate and updates occupy, so nothing could overlap (vLLM generates in a process of its own)")
+
+
+def _profiler(cfg: PPOConfig, errs: _Errors) -> None:
+    g = cfg.global_profiler
+    for step in g.steps or []:
+        errs.check(isinstance(step, int) and step >= 1, "global_profiler.steps", f"steps are 1-based, got {step}")
+    for rank in g.ranks or []:
+        errs.check(isinstance(rank, int) and rank >= 0, "global_profiler.ranks", f"ranks are >= 0, got {rank}")
+    if g.tool is not None:
+        errs.check(bool(g.steps), "global_profiler.steps", f"empty with global_profiler.tool={g.tool}: name the steps "
+                   "to profile, e.g. global_profiler.steps=[2,3]")
+    errs.check(g.tool != "torch_memory" or cfg.cluster.device != "cpu", "global_profiler.tool",
+               "torch_memory records CUDA allocations: it needs cluster.device=cuda (or auto on a GPU machine)")
+    if cfg.trainer.peak_tflops is not None:
+        errs.check(cfg.trainer.peak_tflops > 0, "trainer.peak_tflops", f"must be > 0, got {cfg.trainer.peak_tflops}")
 
 
 def _trainer(cfg: PPOConfig, errs: _Errors) -> None:

@@ -398,6 +398,9 @@ class TrainerConfig:
     max_consecutive_skips: int = field(3, "stop with an error after this many steps in a row in which a role had an "
                                        "update skipped for a non-finite loss or gradient norm (the skipped updates "
                                        "never reach the weights); -1: never stop", None)
+    peak_tflops: Optional[float] = field(None, "MFU's peak per GPU in TFLOP/s (perf/mfu/<role>); null: by the GPU's "
+                                         "name (H100, H200, A100, B200 dense bf16: megatron_ppo/perf.py), none on "
+                                         "CPU (MFU not logged)", None)
     save_freq: int = field(-1, "checkpoint every N steps and at the last step; -1: never (a preemption signal still saves)")
     test_freq: int = field(-1, "validate every N steps; -1: off")
     val_before_train: bool = field(True, "validate once before the first step")
@@ -447,6 +450,20 @@ class ParallelConfig:
     data_parallel_size: Optional[int] = field(None, "data-parallel replicas of this role; null: fill the cluster "
                                               "(cluster.nnodes x n_gpus_per_node / (TP x PP)), 1 with "
                                               "launcher=local", None)
+
+
+@dataclass
+class ProfilerConfig:
+    """Profiling of chosen steps (verl's global_profiler): a trace per profiled role rank and step, and for Nsight
+    Systems the capture range around the chosen steps (docs/trainer.md, "Profiling")."""
+    tool: Optional[Literal["torch", "torch_memory", "nsys"]] = field(
+        None, "null: off; torch = torch.profiler chrome traces + key-averages tables; torch_memory = CUDA memory "
+        "snapshots (cluster.device=cuda); nsys = cudaProfilerStart/Stop around the steps for `nsys profile "
+        "--capture-range=cudaProfilerApi`")
+    steps: Optional[list[int]] = field(None, "the steps to profile (1-based, as logged)")
+    ranks: Optional[list[int]] = field(None, "each role's ranks to profile (the role's own rank numbers); null: rank "
+                                       "0 of each role", None)
+    save_path: Optional[str] = field(None, "where the traces go; null: <trainer.log_dir>/profile")
 
 
 @dataclass
@@ -511,6 +528,7 @@ class PPOConfig:
     rollout: RolloutConfig = field(RolloutConfig, "")
     algorithm: AlgorithmConfig = field(AlgorithmConfig, "")
     trainer: TrainerConfig = field(TrainerConfig, "")
+    global_profiler: ProfilerConfig = field(ProfilerConfig, "")
     cluster: ClusterConfig = field(ClusterConfig, "")
 
     @property

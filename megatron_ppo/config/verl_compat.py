@@ -30,7 +30,7 @@ VERL_SECTIONS = {
     "rollout": "actor_rollout_ref.rollout", "rollout.val_kwargs": "actor_rollout_ref.rollout.val_kwargs",
     "algorithm": "algorithm", "algorithm.kl_ctrl": "algorithm.kl_ctrl", "algorithm.kl_guard": None,
     "algorithm.rollout_correction": "algorithm.rollout_correction",
-    "trainer": "trainer", "cluster": "trainer",
+    "trainer": "trainer", "global_profiler": "global_profiler", "cluster": "trainer",
     "cluster.actor": "actor_rollout_ref.actor.megatron", "cluster.critic": "critic.megatron",
     "cluster.ref": "actor_rollout_ref.ref.megatron", "cluster.reward": None,
 }

@@ -141,8 +141,11 @@ class LocalWorkerGroup(WorkerGroup):
     def _call(self, method: str, *args, **kwargs):
         if self.worker is None:
             raise WorkerGroupError(f"{self.role}: the local group is shut down")
+        from megatron_ppo.profiling import phase_range
+
         try:
-            return to_host(getattr(self.worker, method)(*args, **kwargs))  # the driver's tensors live on the CPU
+            with phase_range(f"{self.role}/{method}"):
+                return to_host(getattr(self.worker, method)(*args, **kwargs))  # the driver's tensors live on the CPU
         except Exception as e:
             raise WorkerGroupError(f"{self.role} rank 0 (tp0 pp0 dp0) on this process failed in {method!r}: "
                                    f"{type(e).__name__}: {e}") from e

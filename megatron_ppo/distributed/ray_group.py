@@ -102,9 +102,12 @@ class RankActor:
     def call(self, _mppo_method: str, _mppo_return: bool, *args, **kwargs) -> tuple[Any, float]:
         """The method's result (None where the driver does not keep it) and the seconds the method itself took:
         the driver's wall time of the call minus this is the dispatch cost (serialisation, RPC, gather)."""
+        from megatron_ppo.profiling import phase_range
+
         start = time.perf_counter()
-        result = getattr(self.worker, _mppo_method)(*args, **kwargs)
-        result = to_host(result) if _mppo_return else None  # never a GPU tensor
+        with phase_range(f"{self.role}/{_mppo_method}"):
+            result = getattr(self.worker, _mppo_method)(*args, **kwargs)
+            result = to_host(result) if _mppo_return else None  # never a GPU tensor
         self._release_heap_if_host_short(_mppo_method)
         self._release_device_cache(_mppo_method)
         return result, time.perf_counter() - start
@@ -145,13 +148,15 @@ class RayWorkerGroup(WorkerGroup):
         joins a collective). nccl_timeout_s: the group timeout on NCCL (None: collective_timeout_s; see
         parallel.group_timeout_s). call_timeout_s: optional bound on any one call. release_device_cache: every rank
         empties its CUDA cache after each call (other processes share its GPU).
+    runtime_envs: {rank: Ray runtime_env} for ranks that need one (global_profiler tool=nsys: profiling.py).
     """
 
     def __init__(self, role: str, layout: RankLayout, placement: RolePlacement, worker_cls,
                  worker_kwargs: dict | None = None, *, seed: int = 1234, collective_timeout_s: float = 120.0,
                  setup_timeout_s: float = 600.0, call_timeout_s: float | None = None, grace_s: float = 1.0,
                  kill_timeout_s: float = 20.0, release_heap_below_available: float = 0.0,
-                 nccl_timeout_s: float | None = None, release_device_cache: bool = False):
+                 nccl_timeout_s: float | None = None, release_device_cache: bool = False,
+                 runtime_envs: dict[int, dict] | None = None):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -180,6 +185,7 @@ class RayWorkerGroup(WorkerGroup):
                 num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, max_restarts=0, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement.pg, placement_group_bundle_index=placement.bundle_indices[rank]),
+                **({"runtime_env": runtime_envs[rank]} if rank in (runtime_envs or {}) else {}),
             ).remote(role, rank, tuple(layout.coords(rank)))
             for rank in range(layout.world_size)]
         try:

@@ -19,6 +19,7 @@ import torch
 
 from megatron_ppo.models.forward import model_forward
 from megatron_ppo.models.unwrap import unwrap_model
+from megatron_ppo.profiling import phase_range
 
 
 def _as_list(model):
@@ -41,9 +42,13 @@ def forward_backward(model, micro_batches: list[dict], loss_fn, *, forward_only:
                              f"{tuple(getattr(loss, 'shape', ()))}")
         return loss * n, metrics  # megatron divides by the number of micro-batches
 
+    role = getattr(unwrap_model(chunks[0]), "role", "model")
+
     def _step(data_iterator, stage_model):
         batch = next(data_iterator)
-        return model_forward(stage_model, batch), partial(_loss, batch)
+        with phase_range(f"{role}/forward"):
+            out = model_forward(stage_model, batch)
+        return out, partial(_loss, batch)
 
     config = unwrap_model(chunks[0]).config
     seq_len = max(int(b["input_ids"].shape[1]) for b in micro_batches)
@@ -51,5 +56,6 @@ def forward_backward(model, micro_batches: list[dict], loss_fn, *, forward_only:
     if not config.variable_seq_lengths and len({tuple(b["input_ids"].shape) for b in micro_batches}) > 1:
         raise ValueError("forward_backward: micro-batches of different shapes need config.variable_seq_lengths")
     fb = get_forward_backward_func()
-    return fb(forward_step_func=_step, data_iterator=iter(micro_batches), model=chunks, num_microbatches=n,
-              seq_length=seq_len, micro_batch_size=mbs, forward_only=forward_only)
+    with phase_range(f"{role}/{'forward_only' if forward_only else 'forward_backward'}"):
+        return fb(forward_step_func=_step, data_iterator=iter(micro_batches), model=chunks, num_microbatches=n,
+                  seq_length=seq_len, micro_batch_size=mbs, forward_only=forward_only)

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from megatron_ppo.models.arch import ModelArch
+from megatron_ppo.perf import H200_BF16_PEAK_FLOPS, mfu, step_model_flops  # noqa: F401 (one formula: perf.py)
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_hea
             vocab_size=151936, max_position_embeddings=1024, tie_word_embeddings=True)
 ARCHES = {"qwen2-0.5b": QWEN2_0P5B, "qwen2-1.5b": QWEN2_1P5B, "tiny": TINY}
 MICRO_TOKENS = 16384  # the actor update's token budget per micro-batch (issue 47's MFU goal is stated at 16k)
-H200_BF16_PEAK_FLOPS = 989e12  # dense bf16, NVIDIA's H100/H200 SXM datasheet (with sparsity it would be 1979)
 
 
 def arch(name: str = "qwen2-0.5b") -> ModelArch:
@@ -55,31 +55,6 @@ def params(model_arch: ModelArch, role: str = "actor") -> int:
     from megatron_ppo.plan.memory import total_params
 
     return total_params(model_arch, role)
-
-
-def mfu(n_params: int, tokens: float, seconds: float, peak_flops: float = H200_BF16_PEAK_FLOPS) -> float:
-    """6 * params * tokens / seconds / peak: the model FLOPs of one training pass (forward 2, backward 4 per
-    parameter and token) over the time, as a fraction of the peak."""
-    if seconds <= 0 or peak_flops <= 0:
-        raise ValueError(f"mfu: seconds ({seconds}) and peak_flops ({peak_flops}) must be positive")
-    return 6.0 * n_params * tokens / seconds / peak_flops
-
-
-def step_model_flops(actor_params: int, critic_params: int, tokens: float, response_tokens: float,
-                     actor_epochs: int = 1, critic_epochs: int = 1, reference: bool = True) -> dict[str, float]:
-    """Model FLOPs of one PPO step by phase (2 per parameter and token forward, 6 forward + backward):
-    generation (prompt prefill + one forward per generated token: ~2 N per token of the rollout), old/ref
-    log-probs and values (forwards), the critic's and the actor's updates (epochs x forward + backward)."""
-    out = {
-        "gen": 2.0 * actor_params * tokens,
-        "old_log_prob": 2.0 * actor_params * tokens + (2.0 * actor_params * tokens if reference else 0.0)
-        + 2.0 * critic_params * tokens,
-        "update_critic": 6.0 * critic_params * tokens * critic_epochs,
-        "update_actor": 6.0 * actor_params * tokens * actor_epochs,
-    }
-    out["step"] = sum(out.values())
-    out["response_tokens"] = float(response_tokens)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- inputs

@@ -19,6 +19,7 @@ from megatron_ppo.data.prompt_dataset import PromptDataset, overlong_policy_from
 from megatron_ppo.data.sampler import StatefulSampler
 from megatron_ppo.data.tokenizer import gsm8k_tokenizer_dir, load_tokenizer, stop_token_ids
 from megatron_ppo.data.trajectory import TrajectoryWriter
+from megatron_ppo.plan.memory import total_params
 from megatron_ppo.rewards.batch import RewardScorer
 from megatron_ppo import roles
 from megatron_ppo.convert.hf_import import convert_for_roles
@@ -47,6 +48,7 @@ class Components:
     kl_ctrl: object | None
     tracker: Tracker
     dumper: object | None
+    role_params: dict = None  # {role: parameters}: MFU's N (perf.step_perf_metrics)
 
     def __getattr__(self, name: str):
         """``parts.<role>``: the role's worker group, None when this run does not build it (roles.py names them)."""
@@ -149,8 +151,10 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
                         cfg.data.val_max_samples) if cfg.data.val_files else None
     total_steps = total_training_steps(cfg, len(train))
     sampler = StatefulSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    role_params = {}  # each role's parameters, as the planner counts them: MFU's N (megatron_ppo/perf.py)
     for role in cfg.roles:
-        model_arch(cfg, role, vocab)  # an HF model with a smaller vocabulary fails here, before any rank starts
+        arch = model_arch(cfg, role, vocab)  # an HF model with a smaller vocabulary fails here, before any rank starts
+        role_params[role] = total_params(arch, role)
     if cfg.reward.reward_model.enable:
         check_reward_model_tokenizer(cfg, tokenizer)
     kc = cfg.algorithm.kl_ctrl
@@ -193,7 +197,7 @@ def build_components(cfg, worker_classes: dict | None = None, resuming: bool = F
         total_steps=total_steps, tokenizer=tokenizer, eos_token_ids=eos_ids,
         source=source, val_source=val_source, sampler=sampler,
         scorer=RewardScorer.from_config(cfg.reward, cfg.data.max_response_length),
-        vocab_size=vocab, groups=groups, kl_ctrl=kl_ctrl, tracker=tracker, dumper=dumper)
+        vocab_size=vocab, groups=groups, kl_ctrl=kl_ctrl, tracker=tracker, dumper=dumper, role_params=role_params)
 
 
 def trajectory_rows(batch, tokenizer) -> dict:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from megatron_ppo import roles
 from megatron_ppo.distributed import (ClusterSlots, LocalWorkerGroup, RankLayout, RankResources, plan_placement)
 from megatron_ppo.distributed.placement import auto_cpus_per_rank, bundles_per_node, local_cpu_count
+from megatron_ppo.profiling import nsight_runtime_envs
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,9 @@ def build_groups(cfg, vocab_size: int, total_steps: int, classes: dict | None = 
             out.groups[role] = RayWorkerGroup(role, layout, placement.roles[role], classes[role], {**kwargs, **extra},
                                               seed=cfg.trainer.seed, collective_timeout_s=cfg.cluster.collective_timeout_s,
                                               nccl_timeout_s=cfg.cluster.nccl_timeout_s, release_device_cache=shared,
-                                              release_heap_below_available=cfg.cluster.release_heap_below_available)
+                                              release_heap_below_available=cfg.cluster.release_heap_below_available,
+                                              runtime_envs=nsight_runtime_envs(cfg, role, layout.world_size,
+                                                                               on_gpu(cfg)))
             out.groups[role].rank_table = table  # a lost node is named with every role's ranks on it
             rp, threads = placement.roles[role], sorted(set(out.groups[role].threads))
             log.info("%s: %s on Ray, %s torch thread(s) per rank (bundle of %g CPUs%s), groups time out after "

@@ -23,7 +23,7 @@ from megatron_ppo.algo.rollout_correction import compute_rollout_correction_and_
 from megatron_ppo.config import to_yaml
 from megatron_ppo.data.batch import RolloutBatch, chunk_rows
 from megatron_ppo.rewards.batch import score_responses
-from megatron_ppo import console, ops, roles
+from megatron_ppo import console, ops, perf, profiling, roles
 from megatron_ppo.trainer import checkpoint as ckpt
 from megatron_ppo.trainer import progress
 from megatron_ppo.trainer.progress import BatchProgress
@@ -47,6 +47,9 @@ class PPOTrainer:
         self.resumed_from: str | None = None
         self.policy_version = 0  # actor updates so far: the version of the weights the engine generates with
         self.next_batch: RolloutBatch | None = None  # generated ahead (trainer.async_rollout=one_step)
+        g = cfg.global_profiler
+        self.profiler = profiling.StepProfiler(g.tool, g.steps, profiling.save_root(cfg), "driver")
+        self.peak_flops: float | None = None  # MFU's peak per GPU, asked of the actor's rank once (perf.py)
 
     # ------------------------------------------------------------------------------------------------ the loop
     def fit(self, total_steps: int) -> list[dict]:
@@ -62,6 +65,7 @@ class PPOTrainer:
         while self.step < total_steps:
             self.step += 1
             metrics: dict = {}
+            self.profile_start()
             dispatched = self.dispatch_seconds()
             with timed("step", metrics):
                 with timed("gen", metrics):
@@ -88,14 +92,17 @@ class PPOTrainer:
             if self.cfg.cluster.launcher == "ray":
                 metrics["timing/dispatch"] = self.dispatch_seconds() - dispatched
             self.record(batch, metrics)
+            self.profile_stop()
             if self.p.val_source is not None and self.cfg.trainer.test_freq > 0 and (
                     self.step % self.cfg.trainer.test_freq == 0 or self.step == total_steps):
-                metrics.update(self.validate())
+                with profiling.phase_range("ppo/validate"):
+                    metrics.update(self.validate())
             history.append(self.p.tracker.log(metrics, step=self.step))
             self.check_nonfinite(metrics)
             stop = self.stop_requested() if self.stop_requested is not None else None
             if stop or (save_freq > 0 and (self.step % save_freq == 0 or self.step == total_steps)):
-                self.save_checkpoint()
+                with profiling.phase_range("ppo/save"):
+                    self.save_checkpoint()
             if stop:
                 log.warning("%s: step %d finished and saved; stopping (resume with trainer.resume_mode=auto)", stop,
                             self.step)
@@ -145,6 +152,42 @@ class PPOTrainer:
         return sum(group.dispatch_s for group in self.p.groups.groups.values())
 
     # ------------------------------------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------------------------------------ profiling
+    def profile_start(self) -> None:
+        """global_profiler: this step's profiles start in the driver and, on Ray, in the chosen ranks of every role
+        (with launcher=local the roles run in this process: the driver's profile holds them). Nothing is called for
+        a step that is not profiled."""
+        if not self.profiler.wants(self.step):
+            return
+        self.profiler.start(self.step)
+        if self.cfg.cluster.launcher != "local":
+            for role in self.enabled_roles():
+                self.p.groups.get(role).call_all("profile_start", self.step)
+
+    def profile_stop(self) -> None:
+        if not self.profiler.wants(self.step):
+            return
+        files = list(self.profiler.stop(self.step))
+        if self.cfg.cluster.launcher != "local":
+            for role in self.enabled_roles():
+                files += [f for rank_files in self.p.groups.get(role).call_all("profile_stop", self.step)
+                          for f in rank_files or []]
+        what = f"{len(files)} file(s) in {os.path.dirname(files[0])}" if files else "nsys capture range closed"
+        log.info("global_profiler (%s): step %d profiled: %s", self.cfg.global_profiler.tool, self.step, what)
+
+    def perf_metrics(self, tokens: float, response_tokens: float, timings: dict) -> dict:
+        """perf/throughput, perf/rollout_tokens_per_s and perf/mfu/<role> (megatron_ppo/perf.py)."""
+        if self.peak_flops is None:
+            names = self.p.actor.call_all("device_name") if self.p.actor is not None else [None]
+            self.peak_flops = perf.device_peak_flops(names[0], self.cfg.trainer.peak_tflops) or 0.0
+        c = self.cfg.cluster
+        n_devices = 1 if c.launcher == "local" else c.nnodes * c.n_gpus_per_node
+        params = self.p.role_params or {}
+        trained = {r: params[r] for r in self.trained_roles() if r in params}
+        return perf.step_perf_metrics(
+            timings, tokens, response_tokens, trained, {r: self.p.groups.get(r).layout.world_size for r in trained},
+            {r: getattr(self.cfg, r).ppo_epochs for r in trained}, self.peak_flops, n_devices)
+
     def trained_roles(self) -> list[str]:
         return [r.name for r in roles.trained(self.cfg)]
 
@@ -364,6 +407,7 @@ class PPOTrainer:
             "perf/total_num_tokens": float(tokens),
             "perf/tokens_per_s": tokens / max(metrics.get("timing/step", 0.0), 1e-9),
         })
+        metrics.update(self.perf_metrics(float(tokens), float(lengths.sum()), metrics))
         if "stopped" in batch.meta:  # rollout.stop_pattern on: the share of responses it ended
             metrics["response_length/stop_ratio"] = float(np.mean(batch.meta["stopped"]))
         if self.p.kl_ctrl is not None:

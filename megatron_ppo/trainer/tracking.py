@@ -239,9 +239,13 @@ class Tracker:
 
 @contextlib.contextmanager
 def timed(name: str, metrics: dict) -> Iterator[None]:
-    """Record the wall time of a phase as `timing/<name>` (seconds)."""
+    """Record the wall time of a phase as `timing/<name>` (seconds), inside the range `ppo/<name>` (torch traces,
+    Nsight Systems' NVTX: megatron_ppo/profiling.py)."""
+    from megatron_ppo.profiling import phase_range
+
     start = time.perf_counter()
     try:
-        yield
+        with phase_range(f"ppo/{name}"):
+            yield
     finally:
         metrics[f"timing/{name}"] = time.perf_counter() - start

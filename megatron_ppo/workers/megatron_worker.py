@@ -14,6 +14,7 @@ from megatron_ppo import parallel
 from megatron_ppo.algo import checks
 from megatron_ppo.models.gpt import build_gpt_model
 from megatron_ppo.models.schedule import forward_backward
+from megatron_ppo.profiling import phase_range
 from megatron_ppo.models.training import OptimizerSettings, build_optimizer, sync_params, wrap_ddp
 from megatron_ppo.models.training import ddp_overlap as ddp_overlap_settings
 from megatron_ppo.ops.cpu_matmul import onednn_matmul
@@ -115,13 +116,14 @@ class MegatronWorker:
             return self._skip(result, float("nan"), "kl_guard")
         # optimizer.step() = prepare_grads -> get_grad_norm/clip -> step_with_ready_grads (megatron/core/optimizer/
         # optimizer.py, 0.16.1); we run the three parts ourselves to check the norm before anything is applied.
-        if self.optimizer.prepare_grads():  # fp16 loss-scale overflow (always False in fp32/bf16)
-            return self._skip(result, float("nan"), "loss_scale_overflow")
-        grad_norm = float(self.optimizer.get_grad_norm())  # global: reduced over the optimizer's grad-stats group
-        if parallel.any_rank(not (math.isfinite(loss) and math.isfinite(grad_norm))):
-            return self._skip(result, grad_norm, "nonfinite")
-        _clip_grads(self.optimizer, grad_norm)
-        ok = self.optimizer.step_with_ready_grads()
+        with phase_range(f"{self.role}/optimizer_step"):
+            if self.optimizer.prepare_grads():  # fp16 loss-scale overflow (always False in fp32/bf16)
+                return self._skip(result, float("nan"), "loss_scale_overflow")
+            grad_norm = float(self.optimizer.get_grad_norm())  # global: reduced over the optimizer's grad-stats group
+            if parallel.any_rank(not (math.isfinite(loss) and math.isfinite(grad_norm))):
+                return self._skip(result, grad_norm, "nonfinite")
+            _clip_grads(self.optimizer, grad_norm)
+            ok = self.optimizer.step_with_ready_grads()
         self.params_stale = self.ddp.ddp_config.overlap_param_gather
         return {**result, "grad_norm": grad_norm, "update_skipped": float(not ok), "skip_reason": None if ok else
                 "optimizer"}

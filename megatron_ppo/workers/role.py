@@ -63,6 +63,28 @@ class RoleWorker(MegatronWorker):
             load_hf_weights(self.model, self.ROLE, path)  # each rank reads its own slices of the HF files
         self._reload_main_params()
 
+    # ------------------------------------------------------------------------------------------- profiling
+    def profile_start(self, step: int) -> None:
+        """global_profiler: start this rank's profile of ``step`` if this rank is one of global_profiler.ranks
+        (profiling.StepProfiler; the driver calls it only for the chosen steps)."""
+        from megatron_ppo import profiling
+
+        if parallel.world_rank() not in profiling.profiled_ranks(self.cfg):
+            return
+        g = self.cfg.global_profiler
+        self.profiler = getattr(self, "profiler", None) or profiling.StepProfiler(
+            g.tool, g.steps, profiling.save_root(self.cfg), f"{self.ROLE}_rank{parallel.world_rank()}")
+        self.profiler.start(step)
+
+    def profile_stop(self, step: int) -> list[str]:
+        """The files this rank's profile of ``step`` wrote (none where it did not profile)."""
+        profiler = getattr(self, "profiler", None)
+        return profiler.stop(step) if profiler is not None else []
+
+    def device_name(self) -> str | None:
+        """This rank's GPU as torch names it (MFU's peak: megatron_ppo/perf.py); None on the CPU."""
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+
     def _zero_value_head(self) -> None:
         """critic.value_head_init=zeros: the fresh value head starts at 0, so the first values are 0 on every token
         (see the key's description in config/schema.py for why)."""
@@ -243,10 +265,25 @@ class RoleWorker(MegatronWorker):
         metrics[f"{role}/updates_skipped"] = float(sum(r["update_skipped"] for r in results))
         for reason in SKIP_REASONS:
             metrics[f"{role}/updates_skipped_{reason}"] = float(sum(r["skip_reason"] == reason for r in results))
+        if self.device.type == "cuda":
+            metrics.update(device_memory_metrics(role))
         bad = [r for r in results if r["skip_reason"] == "nonfinite"]
         return UpdateResult(metrics=metrics, optimizer_steps=len(results), nonfinite_skips=len(bad),
                             nonfinite_losses=[r["global_loss"] for r in bad],
                             nonfinite_grad_norms=[r["grad_norm"] for r in bad])
+
+
+def device_memory_metrics(role: str) -> dict:
+    """perf/max_memory_{allocated,reserved}_gb/<role>: the allocator's peaks since the last update, the largest over
+    the role's ranks (on a GPU; nothing on the CPU). Every rank calls it: a collective."""
+    if not torch.cuda.is_available():
+        return {}
+    peaks = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        peaks = parallel.all_reduce(peaks, None, dist.ReduceOp.MAX)
+    torch.cuda.reset_peak_memory_stats()
+    allocated, reserved = (float(v) / 2 ** 30 for v in peaks.tolist())
+    return {f"perf/max_memory_allocated_gb/{role}": allocated, f"perf/max_memory_reserved_gb/{role}": reserved}
 
 
 def _same_layout(rank_states: list[dict]) -> bool:

@@ -16,6 +16,7 @@ One Ray session for the module (build_groups reuses it).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -200,7 +201,11 @@ def test_critic_warmup_on_ray_leaves_every_actor_rank_unchanged(ray_session, dat
 
     cfg = _cfg(data_dir, tmp_path, "ray", **{"trainer.critic_warmup": 1, "actor.use_kl_loss": "true",
                                              "cluster.actor.tensor_model_parallel_size": 2,
-                                             "cluster.ref.tensor_model_parallel_size": 2})
+                                             "cluster.ref.tensor_model_parallel_size": 2,
+                                             # the same run profiles its step in the driver and ranks 0, 1 of
+                                             # every role (global_profiler: tests/integration/test_profiling.py)
+                                             "global_profiler.tool": "torch", "global_profiler.steps": "[1]",
+                                             "global_profiler.ranks": "[0,1]"})
     parts = build_components(cfg, worker_classes=PROBED_WORKERS)
     try:
         assert parts.ref.call_all("checksum") == parts.actor.call_all("checksum")  # the reference is the actor
@@ -211,6 +216,16 @@ def test_critic_warmup_on_ray_leaves_every_actor_rank_unchanged(ray_session, dat
         assert all(a != b for a, b in zip(critic1, critic0)) and critic1[0] == critic1[1]  # DP replicas agree
         assert "actor/pg_loss" not in metrics and metrics["critic/updates_skipped"] == 0
         assert 0 < metrics["timing/dispatch"] < metrics["timing/step"]  # serialisation + RPC + gather
+        # a trace per profiled rank of every role, each with that rank's own calls named inside
+        step1 = tmp_path / "logs" / "profile" / "step1"
+        traces = sorted(p.name for p in step1.glob("*.pt.trace.json"))
+        assert traces == [f"{t}.pt.trace.json" for t in ("actor_rank0", "actor_rank1", "critic_rank0", "critic_rank1",
+                                                         "driver", "ref_rank0", "ref_rank1")], traces
+        for tag, wanted in (("actor_rank1", ("actor/generate", "actor/forward_only", "actor/forward")),
+                            ("critic_rank0", ("critic/update", "critic/forward_backward", "critic/optimizer_step")),
+                            ("ref_rank1", ("ref/compute_log_probs",)), ("driver", ("ppo/gen", "ppo/update_critic"))):
+            names = {e.get("name") for e in json.loads((step1 / f"{tag}.pt.trace.json").read_text())["traceEvents"]}
+            assert set(wanted) <= names, (tag, sorted(n for n in names if n and "/" in n))
     finally:
         parts.close()
 

@@ -301,6 +301,7 @@ DELIBERATE_DEFAULT_DIFFERENCES = {
     "trainer.default_local_dir",  # same directory; {project_name} placeholders instead of ${trainer.*} interpolation
     "cluster.nccl_timeout_s",  # 1800 s, verl's 600: a synchronous 70B checkpoint save outlasts 10 minutes (issue 47)
     "rollout.vllm.bucket_mb",  # 512, verl's 2048: the extra memory a sync holds beside a colocated actor (issue 48)
+    "global_profiler.save_path",  # null = <trainer.log_dir>/profile, beside the run's metrics; verl: outputs/profile
 }
 
 
