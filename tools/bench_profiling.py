@@ -51,7 +51,7 @@ def profiled_step() -> dict:
         steps = [json.loads(line) for line in open(f"{tmp}/logs/metrics.jsonl")]
     ours = [e["name"] for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(OURS)]
     return {"ranges": len(ours), "distinct": sorted(set(ours)), "step_s": [s["timing/step"] for s in steps],
-            "command": " ".join(cmd[2:])}
+            "command": " ".join(cmd[3:])}
 
 
 def main() -> None:
@@ -74,9 +74,9 @@ def main() -> None:
         f"| ranges one step opens | {step['ranges']} ({len(step['distinct'])} names) |",
         f"| step time without a profiler (steps 1, 3) | {', '.join(f'{s:.2f}' for s in unprofiled)} s |",
         f"| ranges x (range - bare) / fastest unprofiled step | **{share:.4%}** (goal <= 1 %) |", "",
-        "On a GPU each range also pushes and pops an NVTX range (about a microsecond each, NVIDIA's figure; not "
-        "measured here), with the same count per step; a step there is shorter, so the share is larger, but a "
-        "7B step's seconds against ~100 ranges stays far below 1 %.", "",
+        "On a GPU each range also pushes and pops an NVTX range (not measured here: no GPU was lent), with the same "
+        "count per step. A GPU step is shorter than this CPU one, so the share grows with it; the GPU check's "
+        "ppo_step stage is where to measure it.", "",
         f"Names seen: {', '.join(f'`{n}`' for n in step['distinct'])}.", ""]
     text = "\n".join(lines)
     (REPO / "docs" / "bench" / "profiling.md").write_text(text)
