@@ -9,6 +9,7 @@ Settings written on a test (``settings(max_examples=...)``) override only the ke
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from hypothesis import settings
@@ -66,19 +67,16 @@ def reward_registry():
 # (nodeid, phase, the error's last lines), and once MPPO_TEST_BUDGET_S seconds have passed the remaining tests fail
 # at once (naming the budget), so pytest still reaches its summary and exit code before the job's limit.
 _SESSION_START = [None]
+_monotonic = time.monotonic  # bound once: a test that patches time.monotonic must not reach these hooks
 
 
 def pytest_sessionstart(session):
-    import time
-
-    _SESSION_START[0] = time.monotonic()
+    _SESSION_START[0] = _monotonic()
 
 
 def pytest_runtest_setup(item):
-    import time
-
     budget = float(os.environ.get("MPPO_TEST_BUDGET_S", "0") or 0)
-    if budget and _SESSION_START[0] is not None and time.monotonic() - _SESSION_START[0] > budget:
+    if budget and _SESSION_START[0] is not None and _monotonic() - _SESSION_START[0] > budget:
         pytest.fail(f"MPPO_TEST_BUDGET_S={budget:.0f} s spent before this test started (not run)", pytrace=False)
 
 
@@ -105,11 +103,10 @@ def _memory_note() -> str:
 
 def pytest_runtest_logreport(report):
     import sys
-    import time
 
     if os.environ.get("CI") != "true":
         return
-    elapsed = time.monotonic() - _SESSION_START[0] if _SESSION_START[0] is not None else 0.0
+    elapsed = _monotonic() - _SESSION_START[0] if _SESSION_START[0] is not None else 0.0
     if report.when == "call" and report.duration > 60:
         # a test's own phase timings (record_property), so a slow CI run says where its time went
         phases = ", ".join(f"{k} {v}" for k, v in report.user_properties)

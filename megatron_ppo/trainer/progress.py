@@ -43,16 +43,18 @@ class BatchProgress:
     """A long loop over batches before training: a start line, '<what>: i/N <unit>, <elapsed>' after each batch
     but the last, and '<what>: N <unit> in <duration>' at the end."""
 
-    def __init__(self, what: str, total: int, batch: int, unit: str = "prompts", detail: str = ""):
+    def __init__(self, what: str, total: int, batch: int, unit: str = "prompts", detail: str = "",
+                 clock=time.monotonic):
         self.what, self.total, self.unit, self.done_count = what, total, unit, 0
-        self.start = time.monotonic()
+        self.clock = clock  # a seam for tests: patching time.monotonic itself reaches pytest's own hooks
+        self.start = clock()
         batches = max(1, -(-total // max(batch, 1)))
         log.info("%s: %d %s in %d batch%s of %d%s ...", what, total, unit, batches, "" if batches == 1 else "es",
                  min(batch, total), f" ({detail})" if detail else "")
 
     def advance(self, n: int) -> None:
         self.done_count += n
-        elapsed = duration(time.monotonic() - self.start)
+        elapsed = duration(self.clock() - self.start)
         if self.done_count < self.total:
             log.info("%s: %d/%d %s, %s", self.what, self.done_count, self.total, self.unit, elapsed)
         else:

@@ -103,16 +103,16 @@ def test_verbose_prints_every_metric_without_a_bar(monkeypatch):
     assert "actor/m29=29" in tracker_line and out.getvalue() == tracker_line + "\n"
 
 
-def test_batch_progress_names_size_each_batch_and_duration(caplog, monkeypatch):
+def test_batch_progress_names_size_each_batch_and_duration(caplog):
     """Before step 1 (issue 49): a long validation says what it does, a line a batch, and how long it took."""
     import logging
 
     from megatron_ppo.trainer import progress
 
     clock = iter([0.0, 95.0, 190.0, 285.0, 448.0])
-    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
     with caplog.at_level(logging.INFO, logger="megatron_ppo.trainer.progress"):
-        bar = progress.BatchProgress("validation before training", 256, 64, detail="greedy, n=1, up to 256 tokens")
+        bar = progress.BatchProgress("validation before training", 256, 64, detail="greedy, n=1, up to 256 tokens",
+                                     clock=lambda: next(clock))
         for _ in range(4):
             bar.advance(64)
     assert [r.getMessage() for r in caplog.records] == [
