@@ -461,6 +461,15 @@ def _trainer(cfg: PPOConfig, errs: _Errors) -> None:
             log.warning("trainer.val_before_train=true does nothing: data.val_files is empty (no validation runs); "
                         "set data.val_files or trainer.val_before_train=false")
     errs.non_negative("trainer.log_val_generations", t.log_val_generations)
+    if t.save_best:
+        errs.check(t.test_freq > 0 and bool(cfg.data.val_files), "trainer.save_best",
+                   f"keeps the best validated step, but nothing validates during training (trainer.test_freq="
+                   f"{t.test_freq}, data.val_files {'set' if cfg.data.val_files else 'empty'}); set test_freq > 0 "
+                   "and data.val_files, or save_best=false")
+    if t.best_metric is not None:
+        errs.check(t.best_metric.startswith("val/"), "trainer.best_metric",
+                   f"{t.best_metric!r} is not a validation metric; name one the run logs, e.g. "
+                   "val/test_score/<data_source>")
     _async_rollout(cfg, errs)
     duplicates = sorted({x for x in t.logger if t.logger.count(x) > 1})
     errs.check(not duplicates, "trainer.logger", f"lists {duplicates} more than once")

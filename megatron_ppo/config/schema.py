@@ -433,6 +433,14 @@ class TrainerConfig:
         "(verl: the one-step off-policy recipe)", None)
     max_staleness: int = field(1, "with async_rollout=one_step: actor updates a rollout may lag the policy it trains "
                                "(1: one step off; 0: each rollout generated after the last sync, as off)", None)
+    save_best: bool = field(False, "also keep the checkpoint of the step whose validation scored best "
+                            "(trainer.best_metric; needs test_freq > 0): a step that beats every earlier validation "
+                            "is saved even off save_freq and is never pruned while it is the best; "
+                            "<default_local_dir>/best_checkpointed_iteration.txt names it and <default_local_dir>/best "
+                            "links to it (`megatron-ppo eval --model <default_local_dir>/best`)", None)
+    best_metric: Optional[str] = field(None, "the validation metric save_best maximises, e.g. "
+                                       "val/test_score/arithmetic; null: the mean of every val/test_score/<source>",
+                                       None)
     max_actor_ckpt_to_keep: Optional[int] = field(None, "keep only the newest N actor checkpoints; null: all")
     max_critic_ckpt_to_keep: Optional[int] = field(None, "keep only the newest N critic checkpoints; null: all")
 

@@ -1,5 +1,5 @@
-"""`megatron-ppo eval --model (HF dir | <run>/global_step_N/actor) --data test.parquet [--n N] [--out DIR]`: the
-held-out accuracy of a model, measured the way `train`'s validation measures it.
+"""`megatron-ppo eval --model (HF dir | <run>/global_step_N/actor | <run>/best) --data test.parquet [--n N]
+[--out DIR]`: the held-out accuracy of a model, measured the way `train`'s validation measures it.
 
 The same config drives both: chat template, tokenizer, reward function, response length and the sampling of
 ``rollout.val_kwargs`` (greedy by default). A trainer checkpoint carries its run's resolved config
@@ -38,7 +38,8 @@ SAMPLES = 8  # responses written to samples.jsonl
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-ppo eval", description=DESCRIPTION)
     p.add_argument("--model", required=True, help="an HF model directory, or a trainer checkpoint's actor "
-                   "directory (<default_local_dir>/global_step_N/actor; global_step_N alone also works)")
+                   "directory (<default_local_dir>/global_step_N/actor; global_step_N alone also works; "
+                   "<default_local_dir>/best: the best validated step of a trainer.save_best run)")
     p.add_argument("--data", required=True, action="append", help="verl-schema parquet file or directory "
                    "(repeat for several); read as data.val_files")
     p.add_argument("--n", type=int, default=-1, help="evaluate only the first N prompts (default: all)")
@@ -71,11 +72,12 @@ def checkpoint_role_dir(model: str) -> str | None:
 def eval_config(args):
     """The config the evaluation runs under, and the checkpoint directory to load (None for an HF model). A
     checkpoint is verified against its manifest first, before torch is imported or its config read."""
-    from megatron_ppo.trainer.checkpoint import verify_before_reading
+    from megatron_ppo.trainer.checkpoint import resolve_link, verify_before_reading
 
     model = args.model
     if not os.path.isdir(model):
         raise UsageError(f"--model {model}: no such directory (an HF model directory or a trainer checkpoint)")
+    model = args.model = resolve_link(model)  # <default_local_dir>/best: the step it links to (checked, named)
     verify_before_reading(model, "--model", role="actor")
     from megatron_ppo.config import load_config
     from megatron_ppo.config.io import yaml_load

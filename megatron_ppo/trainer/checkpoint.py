@@ -2,6 +2,8 @@
 
     <trainer.default_local_dir>/
         latest_checkpointed_iteration.txt     the newest complete step (verl's name), written after the rename
+        best_checkpointed_iteration.txt       trainer.save_best: the step that validated best (its dir is kept)
+        best -> global_step_<N>               a link to it, for readers (`megatron-ppo eval --model <dir>/best`)
         global_step_<N>/
             actor/ critic/                    dist_checkpointing dirs: model + optimizer shards (any TP/PP/DP reloads)
             actor/hf_config/                  config + tokenizer of the HF model the run started from, if any
@@ -38,6 +40,8 @@ from megatron_ppo.trainer import checkpoint_manifest as manifests
 log = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+BEST_FILE = "best_checkpointed_iteration.txt"
+BEST_LINK = "best"
 DRIVER_STATE = "driver_state.json"
 DRIVER_RNG = "driver_rng.pt"
 RUN_CONFIG = "config.yaml"
@@ -199,7 +203,7 @@ def verify_before_reading(path: str, flag: str, role: str | None = None) -> Step
     started (sizes: a stat per file, milliseconds). Only what such a reader uses is checked: the role's files and
     the run's config.yaml. A damaged one is refused (CheckpointError, exit 2) naming the file; a dir outside a
     ``global_step_<N>``, or a step saved before manifests, passes unchecked (None)."""
-    path = os.path.abspath(path)
+    path = os.path.abspath(resolve_link(path))
     if _STEP_DIR.match(os.path.basename(path)):
         step = path
     elif _STEP_DIR.match(os.path.basename(os.path.dirname(path))):
@@ -348,10 +352,11 @@ def read_worker_states(directory: str, role: str) -> list[dict]:
     return torch.load(path, weights_only=True)
 
 
-def prune(root: str, keep: dict[str, int | None], current: int) -> list[str]:
-    """Delete the role dirs of the oldest checkpoints beyond keep[role] (None: keep all), never step ``current``;
-    a checkpoint left without any role's model is deleted whole. Returns what was deleted."""
-    steps = [s for s in complete_steps(root) if s != current]
+def prune(root: str, keep: dict[str, int | None], current: int, protect: tuple[int, ...] = ()) -> list[str]:
+    """Delete the role dirs of the oldest checkpoints beyond keep[role] (None: keep all), never step ``current``
+    nor a ``protect``ed one (save_best's step, kept beside the newest); a checkpoint left without any role's model
+    is deleted whole. Returns what was deleted."""
+    steps = [s for s in complete_steps(root) if s != current and s not in protect]
     gone = []
     for role, n in keep.items():
         if n is None:
@@ -368,3 +373,38 @@ def prune(root: str, keep: dict[str, int | None], current: int) -> list[str]:
             shutil.rmtree(d)
             gone.append(d)
     return gone
+
+
+def mark_best(root: str, step: int | None) -> None:
+    """Point BEST_FILE and the BEST_LINK symlink at ``step`` (each replaced atomically); None removes both."""
+    pointer, link = os.path.join(root, BEST_FILE), os.path.join(root, BEST_LINK)
+    if step is None:
+        for path in (pointer, link):
+            if os.path.lexists(path):
+                os.remove(path)
+        return
+    with open(pointer + ".tmp", "w") as f:
+        f.write(f"{step}\n")
+    os.replace(pointer + ".tmp", pointer)
+    if os.path.lexists(link + ".tmp"):
+        os.remove(link + ".tmp")
+    os.symlink(os.path.basename(step_dir(root, step)), link + ".tmp")  # relative: the root can move
+    os.replace(link + ".tmp", link)
+
+
+def best_step(root: str) -> int | None:
+    """The step BEST_FILE names, or None (no save_best run wrote one)."""
+    try:
+        with open(os.path.join(root, BEST_FILE)) as f:
+            return int(f.read().strip())
+    except FileNotFoundError:
+        return None
+
+
+def resolve_link(path: str) -> str:
+    """``path`` with links resolved when that lands in a ``global_step_<N>`` dir (``<dir>/best``,
+    ``<dir>/best/actor``), so readers check and name the real step; any other path unchanged."""
+    real = os.path.realpath(path)
+    if _STEP_DIR.match(os.path.basename(real)) or _STEP_DIR.match(os.path.basename(os.path.dirname(real))):
+        return real
+    return path

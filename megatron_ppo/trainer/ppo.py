@@ -26,6 +26,7 @@ from megatron_ppo.rewards.batch import score_responses
 from megatron_ppo import console, ops, perf, profiling, roles
 from megatron_ppo.trainer import checkpoint as ckpt
 from megatron_ppo.trainer import progress
+from megatron_ppo.trainer.best import BestValidation, validation_score
 from megatron_ppo.trainer.progress import BatchProgress
 from megatron_ppo.trainer.tracking import timed
 
@@ -41,6 +42,7 @@ class PPOTrainer:
         """parts: a trainer.components.Components (worker groups, datasets, sampler, tokenizer, scorer, KL controller)."""
         self.cfg, self.p = cfg, parts
         self.step = 0
+        self.best = BestValidation()  # trainer.save_best: the best validated step so far
         self.nonfinite_streak: dict[str, int] = {}  # role -> consecutive steps with a non-finite update skipped
         self.nonfinite_detail: dict[str, str] = {}  # role -> the offending values of its latest such step
         self.stop_requested = None  # a callable -> the signal name when preemption asks to stop (entry.py), or None
@@ -99,8 +101,9 @@ class PPOTrainer:
                     metrics.update(self.validate())
             history.append(self.p.tracker.log(metrics, step=self.step))
             self.check_nonfinite(metrics)
+            new_best = self.note_best(metrics)
             stop = self.stop_requested() if self.stop_requested is not None else None
-            if stop or (save_freq > 0 and (self.step % save_freq == 0 or self.step == total_steps)):
+            if stop or new_best or (save_freq > 0 and (self.step % save_freq == 0 or self.step == total_steps)):
                 with profiling.phase_range("ppo/save"):
                     self.save_checkpoint()
             if stop:
@@ -197,12 +200,29 @@ class PPOTrainer:
     def frozen_roles(self) -> list[str]:
         return [r.name for r in roles.enabled(self.cfg) if not r.trainable]
 
+    def note_best(self, metrics: dict) -> bool:
+        """trainer.save_best: True when this step's validation beats every earlier one (this step is then saved and
+        kept as the best); the driver decides, as it decides what is global to a batch."""
+        t = self.cfg.trainer
+        if not t.save_best:
+            return False
+        score = validation_score(metrics, t.best_metric)
+        if not self.best.improved_by(score):
+            if score is not None:
+                log.info("step %d: validation %.4f, not above the best (%.4f at step %d)", self.step, score,
+                         self.best.score, self.best.step)
+            return False
+        log.info("step %d: validation %.4f, the best so far%s: saved and kept as the best checkpoint", self.step,
+                 score, "" if self.best.step is None else f" (was {self.best.score:.4f} at step {self.best.step})")
+        self.best = BestValidation(self.step, score)
+        return True
+
     def state_dict(self) -> dict:
         """The driver's own state (JSON): what the next step depends on besides the workers'."""
         return {"step": self.step, "sampler": self.p.sampler.state_dict(),
                 "kl_ctrl": self.p.kl_ctrl.state_dict() if self.p.kl_ctrl is not None else None,
                 "nonfinite_streak": dict(self.nonfinite_streak), "nonfinite_detail": dict(self.nonfinite_detail),
-                "policy_version": self.policy_version,
+                "policy_version": self.policy_version, "best": self.best.state_dict(),
                 "layouts": {role: str(self.p.groups.get(role).layout) for role in self.p.groups.groups}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -218,6 +238,7 @@ class PPOTrainer:
         self.nonfinite_streak = {k: int(v) for k, v in state["nonfinite_streak"].items()}
         self.nonfinite_detail = dict(state["nonfinite_detail"])
         self.policy_version = int(state.get("policy_version", 0))  # (absent from checkpoints before one_step)
+        self.best = BestValidation.from_state(state.get("best"))
 
     def save_checkpoint(self) -> str:
         """Step ``self.step``'s checkpoint (see trainer/checkpoint.py for the layout), written atomically and sealed
@@ -245,8 +266,12 @@ class PPOTrainer:
         if self.next_batch is not None:  # one_step: the rollout generated ahead by the weights this step started
             ckpt.write_next_batch(tmp, self.next_batch)  # from; those weights are not saved, so neither regenerable
         final = ckpt.finish_save(root, tmp, self.step, digests=t.verify_checkpoint == "full")  # manifest last
+        kept_best = () if self.best.step is None or not t.save_best else (self.best.step,)
         gone = ckpt.prune(root, {role: getattr(t, f"max_{role}_ckpt_to_keep") for role in self.trained_roles()},
-                          self.step)
+                          self.step, protect=kept_best)
+        if t.save_best:
+            ckpt.mark_best(root, self.best.step if self.best.step is not None and os.path.isdir(
+                ckpt.step_dir(root, self.best.step)) else None)
         log.info("checkpoint of step %d saved in %.1f s: %s%s", self.step, time.perf_counter() - start, final,
                  f" (deleted {len(gone)} older)" if gone else "")
         return final
