@@ -54,6 +54,8 @@ READ_ON_ANOTHER_PATH = {
        for key in ("enforce_eager", "enable_prefix_caching", "free_cache_engine")},
     # read by a rank asked to profile a step: tests/integration/test_ppo_ray.py (global_profiler on Ray)
     "global_profiler.ranks": ("megatron_ppo/profiling.py", "cfg.global_profiler.ranks"),
+    # read only with trainer.save_best, whose run test_trainer_save_best.py checks
+    "trainer.best_metric": ("megatron_ppo/trainer/ppo.py", "validation_score(metrics, t.best_metric)"),
     # read only with trainer.async_rollout=one_step, which needs vLLM: tests/integration/test_ppo_one_step.py
     "trainer.max_staleness": ("megatron_ppo/trainer/ppo.py", "t.max_staleness < 1"),
 }
