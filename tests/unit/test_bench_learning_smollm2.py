@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import bench_learning_smollm2 as bench  # noqa: E402
@@ -69,9 +71,11 @@ def test_every_run_setting_is_a_valid_override_of_the_recipe(tmp_path):
     """A misspelt key or a refused combination fails here, not an hour into a benchmark."""
     from megatron_ppo.config import load_config
 
-    for overrides in (bench.ARITH_TRAIN, bench.GSM8K_TRAIN):
+    for overrides in (bench.ARITH_TRAIN, bench.GSM8K_TRAIN, bench.ARITH_HOLD):
         cfg = load_config("smollm2_gsm8k", list(overrides))
         assert cfg.rollout.n == 4 and cfg.rollout.temperature == 0.7
+    hold = load_config("smollm2_gsm8k", list(bench.ARITH_HOLD)).trainer
+    assert hold.save_best and hold.test_freq == 5
     for overrides in (bench.GSM8K_TRAIN, bench.GSM8K_EVAL):  # a "#..." override was once read as a YAML comment
         assert load_config("smollm2_gsm8k", list(overrides)).rollout.stop_pattern == r"####[^\n]*\n"
     offline = [*bench.OFFLINE_TRAIN, "rollout.mode=offline", f"rollout.trajectory_files=[{tmp_path}]",
@@ -293,3 +297,41 @@ def test_stop_children_stops_a_child_another_thread_waits_on(tmp_path):
     bench.stop_children(grace_s=10)
     thread.join(30)
     assert not thread.is_alive() and len(errors) == 1 and not bench.RUNNING
+
+
+def _hold_record(seed, val: dict[int, float], last: float, best: float | None, best_step: int | None, steps=40):
+    """A record as hold runs keep it: curves of the validation (step 0 is the base) and the entropy."""
+    curves = {"val/test_score/arithmetic": [[s, v] for s, v in val.items()],
+              "actor/entropy": [[s, 0.8 - 0.01 * s] for s in range(1, steps + 1)]}
+    return {"name": f"arith_hold_s{seed}", "seed": seed, "steps": steps, "wall_s": 3000.0, "base": _eval(0.191, 69.0),
+            "after": _eval(last, 11.0), "best_after": None if best is None else _eval(best, 12.0),
+            "best_step": best_step, "curves": curves}
+
+
+def test_the_seed_rows_hand_over_the_best_checkpoint_and_measure_the_late_fall(tmp_path):
+    import learning_seeds
+
+    # seed 3 of the issue: validation 0.609 at step 30, 0.375 at step 40 (a 23.4-point fall in the last quarter)
+    collapsed = _hold_record(3, {0: 0.266, 10: 0.484, 20: 0.531, 30: 0.609, 40: 0.375}, 0.258, 0.45, 30)
+    steady = _hold_record(4, {0: 0.266, 10: 0.5, 20: 0.55, 30: 0.6, 35: 0.58, 40: 0.62}, 0.40, 0.40, 40)
+    no_best = _hold_record(5, {0: 0.266, 40: 0.5}, 0.39, None, None)
+    assert learning_seeds.late_fall(learning_seeds.validation_curve(collapsed["curves"]), 40) == \
+        pytest.approx(0.609 - 0.375)
+    assert learning_seeds.late_fall(learning_seeds.validation_curve(steady["curves"]), 40) == pytest.approx(0.02)
+    assert learning_seeds.late_fall([(0, 0.9), (10, 0.5)], 40) is None  # no validation in the last quarter
+    table = learning_seeds.seed_table([collapsed, steady, no_best])
+    assert table[2].startswith("| 3 | 0.258 (+6.7) | 30 (0.609) | 0.450 (+25.9) | +25.9 pts | 23.4 |"), table[2]
+    assert table[4].startswith("| 5 | 0.390 (+19.9) | - | - | +19.9 pts | 0.0 |"), table[4]  # the last step's
+    line = learning_seeds.summary([collapsed, steady, no_best])
+    assert line.startswith("3 seeds: the handed checkpoint's change mean +22.2 pts, worst +19.9 pts; 3 of 3 at >= +15"
+                           " pts; 2 of 3 with no late validation more than 5 pts below its best"), line
+    figure = learning_seeds.plot_seeds([collapsed, steady], tmp_path / "seeds.png")
+    assert figure is not None and figure.stat().st_size > 1000
+
+
+def test_a_hold_record_keeps_the_runs_curves(tmp_path):
+    work = tmp_path / "work"
+    _run_dir(work, "arith_hold_s1", [0.1, 0.2, 0.3, 0.4])
+    record = bench.run_record(work, "arith_hold_s1", 1, _eval(0.2, 69.0), _eval(0.4, 11.0), 100.0, 4)
+    assert record["curves"]["reward/score/mean"] == [[1, 0.1], [2, 0.2], [3, 0.3], [4, 0.4]]
+    assert "actor/ppo_kl_k3" not in record["curves"]  # only what the seed comparison plots
