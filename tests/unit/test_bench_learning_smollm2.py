@@ -335,3 +335,13 @@ def test_a_hold_record_keeps_the_runs_curves(tmp_path):
     record = bench.run_record(work, "arith_hold_s1", 1, _eval(0.2, 69.0), _eval(0.4, 11.0), 100.0, 4)
     assert record["curves"]["reward/score/mean"] == [[1, 0.1], [2, 0.2], [3, 0.3], [4, 0.4]]
     assert "actor/ppo_kl_k3" not in record["curves"]  # only what the seed comparison plots
+
+
+def test_the_best_actor_is_the_step_the_runs_best_pointer_names(tmp_path):
+    from megatron_ppo.trainer import checkpoint as ckpt
+
+    root = tmp_path / "arith_hold_s1" / "checkpoints"
+    (root / "global_step_25" / "actor").mkdir(parents=True)
+    assert bench.best_actor(tmp_path, "arith_hold_s1") is None  # a run without trainer.save_best
+    ckpt.mark_best(str(root), 25)
+    assert bench.best_actor(tmp_path, "arith_hold_s1") == (root / "global_step_25" / "actor", 25)
