@@ -57,7 +57,10 @@ class PPOTrainer:
     def fit(self, total_steps: int) -> list[dict]:
         history = []
         if self.cfg.trainer.val_before_train and self.p.val_source is not None and self.resumed_from is None:
-            self.p.tracker.log(self.validate(announce_as="validation before training"), step=0)
+            before = self.validate(announce_as="validation before training")
+            if self.cfg.trainer.save_best:  # a best_metric the validation does not log is refused now, not at step N
+                validation_score(before, self.cfg.trainer.best_metric)
+            self.p.tracker.log(before, step=0)
         if self.step < total_steps:
             d = self.cfg.data
             progress.announce("training: steps %d-%d of %d prompts x %d response(s), up to %d tokens each; a line a "
