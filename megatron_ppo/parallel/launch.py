@@ -51,6 +51,7 @@ def _exit_with_children(*_):
 
 
 SETUP_FAILED_EXIT_CODE = 1  # like an uncaught exception
+EXIT_GRACE_S = 10.0  # a rank told to stop exits in well under a second (os._exit); then close() kills it
 POLL_S = 0.25  # how often the parent checks that every rank is alive while it waits for results
 START_ATTEMPTS = 3  # starts tried when the port free_port() proposed is taken before rank 0 listens on it
 
@@ -286,8 +287,9 @@ class LocalWorkerPool:
         if self._procs:
             for q in self._jobs:
                 q.put(None)
+            deadline = time.monotonic() + EXIT_GRACE_S  # one bound for all ranks, not one per rank
             for p in self._procs:
-                p.join(timeout=30)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         self.close()
 
 
