@@ -2,7 +2,7 @@
 how far a run's validation fell from its best late in the run, the table of every seed (the last step's checkpoint
 and the best one that trainer.save_best keeps), the mean and the worst seed, and the curves of every seed side by
 side. Pure functions of run records (tools/bench_learning_smollm2.py writes them), so a page can be rebuilt from
-records of earlier sessions and the rows are tested (tests/unit/test_learning_seeds.py)."""
+records of earlier sessions and the rows are tested (tests/unit/test_bench_learning_smollm2.py)."""
 from __future__ import annotations
 
 import math
