@@ -396,12 +396,7 @@ def acc(doc: dict) -> str:
     return f"{doc['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
-def ends_pair(xs: list[float]) -> list[float] | None:
-    """The means of the first and the last quarter (at most 5 values each) of a series."""
-    if not xs:
-        return None
-    k = max(1, min(5, len(xs) // 4))
-    return [sum(xs[:k]) / k, sum(xs[-k:]) / k]
+ends_pair = learning_seeds.quarter_means  # first and last quarter of a series, the tables' "a -> b"
 
 
 def ends(pair: list[float] | None) -> str:

@@ -93,13 +93,17 @@ def summary(runs: list[dict], goal_pts: float = 15.0, goal_fall_pts: float = 5.0
             "pts below its best")
 
 
-def curve_ends(record: dict, key: str) -> list[float] | None:
-    """Means of the first and the last quarter (at most 5 values each) of one kept curve."""
-    xs = [v for _, v in record.get("curves", {}).get(key, [])]
+def quarter_means(xs: list[float]) -> list[float] | None:
+    """The means of the first and the last quarter (at most 5 values each) of a series."""
     if not xs:
         return None
     k = max(1, min(5, len(xs) // 4))
     return [sum(xs[:k]) / k, sum(xs[-k:]) / k]
+
+
+def curve_ends(record: dict, key: str) -> list[float] | None:
+    """quarter_means of one kept curve."""
+    return quarter_means([v for _, v in record.get("curves", {}).get(key, [])])
 
 
 def ends(pair: list[float] | None, fmt: str = "{:.2f}") -> str:
