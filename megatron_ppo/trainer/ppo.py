@@ -211,7 +211,7 @@ class PPOTrainer:
             return False
         score = validation_score(metrics, t.best_metric)
         if not self.best.improved_by(score):
-            if score is not None:
+            if score is not None and self.best.step is not None:  # (a NaN first validation: nothing to compare)
                 log.info("step %d: validation %.4f, not above the best (%.4f at step %d)", self.step, score,
                          self.best.score, self.best.step)
             return False
