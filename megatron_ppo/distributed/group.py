@@ -161,7 +161,8 @@ class LocalWorkerGroup(WorkerGroup):
     def shutdown(self) -> None:
         from megatron_ppo import parallel
 
-        close = getattr(self.worker, "close", None)  # a worker holding processes of its own (a vLLM engine)
+        # close: ends what the worker runs besides itself (a vLLM engine) and lets its model be freed
+        close = getattr(self.worker, "close", None)
         self.worker = None
         if close is not None:
             close()
