@@ -161,8 +161,7 @@ class LocalWorkerGroup(WorkerGroup):
     def shutdown(self) -> None:
         from megatron_ppo import parallel
 
-        # close: ends what the worker runs besides itself (a vLLM engine) and lets its model be freed
-        close = getattr(self.worker, "close", None)
+        close = getattr(self.worker, "close", None)  # a worker holding processes of its own (a vLLM engine)
         self.worker = None
         if close is not None:
             close()

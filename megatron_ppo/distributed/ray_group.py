@@ -346,8 +346,8 @@ class RayWorkerGroup(WorkerGroup):
 
     def shutdown(self, graceful: bool = True) -> None:
         """Kill every rank and wait until their processes (and children, on this node) are gone. ``graceful``: a
-        healthy group's workers are closed first (``close``), so those that hold processes of their own (a vLLM
-        engine) can end them (bounded by grace_s; a failed group's ranks are not asked)."""
+        healthy group's workers that hold processes of their own (``close``: a vLLM engine) end them first, so
+        they can clean up (bounded by grace_s; a failed group's ranks are not asked)."""
         import ray
 
         if self._dead:

@@ -7,6 +7,7 @@ tied-embedding grads over PP — and ``grad_scale_func``).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 
@@ -74,5 +75,19 @@ def build_optimizer(ddp_models, settings: OptimizerSettings | None = None):
         bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=cfg.params_dtype,
     )
     optimizer = get_megatron_optimizer(opt_config, chunks)
-    cfg.grad_scale_func = optimizer.scale_loss
+    cfg.grad_scale_func = _weak_method(optimizer.scale_loss)
     return optimizer
+
+
+def _weak_method(method):
+    """``method`` called through a weak reference to its object. The model config must not keep the optimizer
+    alive: the distributed optimizer's fp32 shards are views of the parameters, whose autograd nodes carry DDP's
+    gradient hooks, so config -> optimizer closed a reference cycle through C++ that Python's collector cannot
+    break, and every model built in a process stayed alive with its process groups (gloo keeps threads per
+    group). The optimizer's owner (the worker) keeps it alive while it is used."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        return ref()(*args, **kwargs)
+
+    return call

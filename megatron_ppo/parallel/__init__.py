@@ -6,6 +6,7 @@ process (a test, a worker switching layouts) can initialise again with another l
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 
@@ -182,13 +183,30 @@ def _destroy_subgroups() -> None:
 
 
 def _destroy_global_caches() -> None:
-    """Megatron keeps a few module-level caches keyed by model or group; drop the ones that outlive a layout."""
+    """Megatron keeps a few module-level caches keyed by model or group; drop the ones that outlive a layout.
+    RoPE's tables sit in a class-wide ``lru_cache`` keyed by the module itself, which kept up to 32 modules (and
+    their context-parallel groups) of models long gone; parallel_state keeps its intra-partial DP groups past
+    ``destroy_model_parallel``. Then a collection: a model dropped by its owner stays in reference cycles
+    (DDP's gradient hooks on the parameters' autograd nodes close over the DDP) until the collector runs, and
+    with it the process groups it holds and their gloo threads."""
     try:
         from megatron.core.transformer import utils as tutils
 
         tutils._sequence_parallel_attr_cache = None
     except (ImportError, AttributeError):
         pass
+    try:
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        RotaryEmbedding.forward.cache_clear()
+    except (ImportError, AttributeError):
+        pass
+    from megatron.core import parallel_state
+
+    for name in ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO"):
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, None)
+    gc.collect()
 
 
 def is_initialized() -> bool:

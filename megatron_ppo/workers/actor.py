@@ -75,15 +75,10 @@ class ActorWorker(RoleWorker):
         self.engine.sync_weights()
 
     def close(self) -> None:
-        """End what the engine runs besides this rank (the vLLM process), then let the model go (MegatronWorker);
-        the group calls it on shutdown."""
+        """End what the engine runs besides this rank (the vLLM process); the group calls it on shutdown."""
         close = getattr(self.engine, "close", None)
-        try:
-            if close is not None:
-                close()
-        finally:
-            self.engine = None
-            super().close()
+        if close is not None:
+            close()
 
     def compute_log_probs(self, batch: RolloutBatch) -> dict | None:
         """{"log_probs", "entropy"} [B, R] of the responses under the current policy (rollout temperature)."""

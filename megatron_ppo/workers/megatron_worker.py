@@ -62,22 +62,6 @@ class MegatronWorker:
     def module(self):
         return self.ddp if self.ddp is not None else self.model
 
-    def close(self) -> None:
-        """Let the model, DDP and optimizer be freed with this worker (idempotent). Left alone, megatron keeps
-        every model built in a process alive, with the process groups it holds (gloo keeps threads per group): a
-        process that builds models more than once (tests, an in-process resume) grows with each. Two holds:
-          - a reference cycle through autograd's C++ nodes, which Python's collector cannot see: the distributed
-            optimizer's fp32 shards are views of the parameters, whose AccumulateGrad nodes carry DDP's gradient
-            hooks, and the model config holds the optimizer (``grad_scale_func``): cut here;
-          - RoPE's tables in a class-wide ``lru_cache`` keyed by the module itself: cleared here (another live model
-            only recomputes its table)."""
-        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-        getattr(RotaryEmbedding.forward, "cache_clear", lambda: None)()
-        for config in {id(m.config): m.config for m in (self.model, self.ddp) if m is not None}.values():
-            config.grad_scale_func = config.no_sync_func = config.finalize_model_grads_func = None
-        self.ddp = self.optimizer = self.scheduler = self.model = None
-
     @torch.no_grad()
     def forward(self, micro_batches: list[dict], output_fn) -> list[dict]:
         """output_fn(model_output, micro_batch) -> dict of tensors, per micro-batch (no gradients)."""
