@@ -88,6 +88,10 @@ def _weak_method(method):
     ref = weakref.WeakMethod(method)
 
     def call(*args, **kwargs):
-        return ref()(*args, **kwargs)
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the optimizer of this model's grad_scale_func was freed: keep build_optimizer's "
+                               "result for as long as the model trains")
+        return bound(*args, **kwargs)
 
     return call
