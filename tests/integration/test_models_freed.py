@@ -32,3 +32,18 @@ def test_a_dropped_worker_is_freed_by_the_end_of_its_layout(megatron_single, use
     parallel.destroy(destroy_process_group=False)  # what a job in a worker pool does at its end
     alive = [name for name, ref in held.items() if ref() is not None]
     assert not alive, f"still alive after the layout's end: {alive}"
+
+
+def test_grad_scale_func_of_a_freed_optimizer_says_so():
+    from megatron_ppo.models.training import _weak_method
+
+    class Optimizer:
+        def scale_loss(self, loss):
+            return loss * 2
+
+    optimizer = Optimizer()
+    scale = _weak_method(optimizer.scale_loss)
+    assert scale(3) == 6
+    del optimizer
+    with pytest.raises(RuntimeError, match="keep build_optimizer's result"):
+        scale(3)
