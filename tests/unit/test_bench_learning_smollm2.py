@@ -71,11 +71,14 @@ def test_every_run_setting_is_a_valid_override_of_the_recipe(tmp_path):
     """A misspelt key or a refused combination fails here, not an hour into a benchmark."""
     from megatron_ppo.config import load_config
 
-    for overrides in (bench.ARITH_TRAIN, bench.GSM8K_TRAIN, bench.ARITH_HOLD):
+    for overrides in (bench.ARITH_TRAIN, bench.GSM8K_TRAIN, bench.ARITH_LR, bench.ARITH_HOLD):
         cfg = load_config("smollm2_gsm8k", list(overrides))
         assert cfg.rollout.n == 4 and cfg.rollout.temperature == 0.7
-    hold = load_config("smollm2_gsm8k", list(bench.ARITH_HOLD)).trainer
-    assert hold.save_best and hold.test_freq == 5
+    for overrides in (bench.ARITH_LR, bench.ARITH_HOLD):
+        cfg = load_config("smollm2_gsm8k", list(overrides))
+        assert cfg.trainer.save_best and cfg.trainer.test_freq == 5 and cfg.actor.optim.lr == 1e-5
+    hold = load_config("smollm2_gsm8k", list(bench.ARITH_HOLD))
+    assert hold.actor.kl_loss_coef == 0.05 and hold.data.val_max_samples == bench.ARITH_VAL
     for overrides in (bench.GSM8K_TRAIN, bench.GSM8K_EVAL):  # a "#..." override was once read as a YAML comment
         assert load_config("smollm2_gsm8k", list(overrides)).rollout.stop_pattern == r"####[^\n]*\n"
     offline = [*bench.OFFLINE_TRAIN, "rollout.mode=offline", f"rollout.trajectory_files=[{tmp_path}]",
@@ -345,3 +348,24 @@ def test_the_best_actor_is_the_step_the_runs_best_pointer_names(tmp_path):
     assert bench.best_actor(tmp_path, "arith_hold_s1") is None  # a run without trainer.save_best
     ckpt.mark_best(str(root), 25)
     assert bench.best_actor(tmp_path, "arith_hold_s1") == (root / "global_step_25" / "actor", 25)
+
+
+def test_the_arithmetic_validation_is_held_out_questions_outside_the_test_set(tmp_path):
+    """ARITH_HOLD chooses its best step on these: none may be a test question (the handed number is measured on the
+    test set) or a train question."""
+    import pyarrow.parquet as pq
+
+    from megatron_ppo.data.preprocess import preprocess_arithmetic
+
+    arith = tmp_path / "arithmetic_data"
+    preprocess_arithmetic(arith, train_rows=512, test_rows=bench.SUBSET, seed=0, level="multi")
+    val = bench.arith_validation(tmp_path, arith)
+    questions = {split: {str(r["prompt"]) for r in pq.read_table(f).to_pylist()}
+                 for split, f in (("val", val), ("test", arith / "test.parquet"), ("train", arith / "train.parquet"))}
+    assert len(questions["val"]) == bench.ARITH_VAL
+    assert not questions["val"] & questions["test"] and not questions["val"] & questions["train"]
+    assert bench.arith_validation(tmp_path, arith) == val  # a second pass keeps the same questions
+    other = tmp_path / "other_seed"
+    preprocess_arithmetic(other, train_rows=1, test_rows=bench.SUBSET, seed=1, level="multi")
+    with pytest.raises(SystemExit, match="are not .*test.parquet"):  # a test set the pool does not begin with
+        bench.arith_validation(tmp_path, other)
