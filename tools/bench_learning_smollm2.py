@@ -763,8 +763,9 @@ def main(argv: list[str] | None = None) -> None:
     lines = ["# Learning on a real pretrained model: SmolLM2-135M-Instruct, accuracy before and after PPO (issue 26)",
              "", "Produced by `tools/bench_learning_smollm2.py` (`tools/bench_learning.py --model smollm2`): "
              "configs/smollm2_gsm8k.yaml (actor, reference and critic from SmolLM2-135M-Instruct; GAE, GRPO for "
-             "GSM8K; Ray, one rank per role with both cores' threads), accuracy by `megatron-ppo eval` (greedy, the "
-             "checkpoint of the last step) on held-out test questions; intervals are 95% Wilson intervals over the "
+             "GSM8K; Ray, one rank per role with both cores' threads), accuracy by `megatron-ppo eval` (greedy; the "
+             "checkpoint of the last step, and for ARITH_HOLD the best validated one beside it) on held-out test "
+             "questions; intervals are 95% Wilson intervals over the "
              "questions.", "",
              f"The whole benchmark is one command (~6 hours on 2 cores): `{FULL_COMMAND}`. Each run keeps its row "
              "as a record beside the page (learning_smollm2/<run>.json), so passes with `--reuse` that run some of "
