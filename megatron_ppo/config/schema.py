@@ -435,7 +435,9 @@ class TrainerConfig:
                                "(1: one step off; 0: each rollout generated after the last sync, as off)", None)
     save_best: bool = field(False, "also keep the checkpoint of the step whose validation scored best "
                             "(trainer.best_metric; needs test_freq > 0): a step that beats every earlier validation "
-                            "is saved even off save_freq and is never pruned while it is the best; "
+                            "is saved even off save_freq and is never pruned while it is the best (earlier bests are "
+                            "pruned as other checkpoints are: with max_<role>_ckpt_to_keep null, every one stays; 1 "
+                            "keeps the newest and the best only); "
                             "<default_local_dir>/best_checkpointed_iteration.txt names it and <default_local_dir>/best "
                             "links to it (`megatron-ppo eval --model <default_local_dir>/best`)", None)
     best_metric: Optional[str] = field(None, "the validation metric save_best maximises, e.g. "
