@@ -227,13 +227,20 @@ def best_actor(work: Path, name: str) -> tuple[Path, int] | None:
     return None if step is None else (Path(ckpt.step_dir(str(root), step)) / "actor", step)
 
 
+# every run keeps its newest checkpoint and trainer.save_best's only: save_best saves each step that validates best so
+# far (actor and critic with their optimizer states, ~4 GB here), and with max_<role>_ckpt_to_keep null all of them
+# stay; three ARITH_HOLD runs filled this machine's disk in session 27
+CKPT_KEEP = ("trainer.max_actor_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=1")
+
+
 def train(work: Path, name: str, steps: int, *overrides: str, reuse: bool) -> tuple[Path, float]:
     """A recipe run of ``steps`` steps checkpointed at its last step; returns (checkpoint actor dir, wall s)."""
     logs, ckpt = work / name / "logs", work / name / "checkpoints"
     actor = ckpt / f"global_step_{steps}" / "actor"
     done = work / name / "wall_s"
     args = ["train", "--config", "smollm2_gsm8k", "trainer.overwrite=true", f"trainer.total_training_steps={steps}",
-            f"trainer.save_freq={steps}", f"trainer.log_dir={logs}", f"trainer.default_local_dir={ckpt}", *overrides]
+            f"trainer.save_freq={steps}", f"trainer.log_dir={logs}", f"trainer.default_local_dir={ckpt}", *CKPT_KEEP,
+            *overrides]
     if reuse and done.is_file() and actor.is_dir() and same_command(work / name, args):
         return actor, float(done.read_text())
     (work / name).mkdir(parents=True, exist_ok=True)

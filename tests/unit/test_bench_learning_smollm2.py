@@ -77,8 +77,9 @@ def test_every_run_setting_is_a_valid_override_of_the_recipe(tmp_path):
     for overrides in (bench.ARITH_LR, bench.ARITH_HOLD):
         cfg = load_config("smollm2_gsm8k", list(overrides))
         assert cfg.trainer.save_best and cfg.trainer.test_freq == 5 and cfg.actor.optim.lr == 1e-5
-    hold = load_config("smollm2_gsm8k", list(bench.ARITH_HOLD))
+    hold = load_config("smollm2_gsm8k", [*bench.CKPT_KEEP, *bench.ARITH_HOLD])
     assert hold.actor.kl_loss_coef == 0.05 and hold.data.val_max_samples == bench.ARITH_VAL
+    assert hold.trainer.max_actor_ckpt_to_keep == hold.trainer.max_critic_ckpt_to_keep == 1  # the newest and the best
     for overrides in (bench.GSM8K_TRAIN, bench.GSM8K_EVAL):  # a "#..." override was once read as a YAML comment
         assert load_config("smollm2_gsm8k", list(overrides)).rollout.stop_pattern == r"####[^\n]*\n"
     offline = [*bench.OFFLINE_TRAIN, "rollout.mode=offline", f"rollout.trajectory_files=[{tmp_path}]",
