@@ -520,6 +520,20 @@ def first_try_section(runs: list[dict]) -> list[str]:
             learning_seeds.summary(runs) + ".", *settings_line("ARITH_LR", ARITH_LR, ARITH_OVERRIDES)]
 
 
+def arith_train_section(runs: list[dict], page_dir: Path) -> list[str]:
+    """Issue 26's arithmetic recipe (ARITH_TRAIN): its table, settings, the seeds' curves side by side where the
+    records kept them (issue 51's item 1: why its seed 3 collapsed), and the right answers per question kind."""
+    lines = task_section("Arithmetic (1-2 digit + - x, 256 held-out questions)", runs, page_dir,
+                         "held-out accuracy +15 points (or the error rate halved) within 60 minutes, every seed.")
+    lines += settings_line("ARITH_TRAIN", ARITH_TRAIN, ARITH_OVERRIDES)
+    figure = learning_seeds.plot_seeds(runs, page_dir / "arith_seeds.png")
+    if figure is not None:
+        lines += ["The seeds' curves side by side (the runs that kept them):", "",
+                  f"![arith_seeds]({page_dir.name}/{figure.name})", ""]
+    return lines + ["Correct greedy answers per question kind:"] + kind_table(
+        [("base", runs[0]["base_kinds"])] + [(f"seed {r['seed']}", r["kinds"]) for r in runs])
+
+
 def base_section(work: Path, arith: Path, args) -> list[str]:
     """The base model on the test sets of ``--tasks`` (the training runs are listed as still to run)."""
     def name(task: str) -> str:  # the 256-question evals are the ones the training sections compare with
@@ -679,12 +693,7 @@ def main(argv: list[str] | None = None) -> None:
         sections += first_try_section(lr_runs)
     arith_runs = load_records(page_dir, "arith_s")
     if arith_runs:
-        sections += task_section("Arithmetic (1-2 digit + - x, 256 held-out questions)", arith_runs, page_dir,
-                                 "held-out accuracy +15 points (or the error rate halved) within 60 minutes, every "
-                                 "seed.")
-        sections += settings_line("ARITH_TRAIN", ARITH_TRAIN, ARITH_OVERRIDES)
-        sections += ["Correct greedy answers per question kind:"] + kind_table(
-            [("base", arith_runs[0]["base_kinds"])] + [(f"seed {r['seed']}", r["kinds"]) for r in arith_runs])
+        sections += arith_train_section(arith_runs, page_dir)
     if args.device == "cuda":
         gsm8k_gpu(work, page_dir, args)
     elif "gsm8k" in args.tasks:

@@ -134,7 +134,9 @@ def plot_seeds(runs: list[dict], path: Path) -> Path | None:
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
+    labelled = [ax for ax in axes.flat if ax.get_legend_handles_labels()[0]]
+    if labelled:  # the validation panel, unless the runs kept no validation
+        labelled[0].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

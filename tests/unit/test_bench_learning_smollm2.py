@@ -370,3 +370,16 @@ def test_the_arithmetic_validation_is_held_out_questions_outside_the_test_set(tm
     preprocess_arithmetic(other, train_rows=1, test_rows=bench.SUBSET, seed=1, level="multi")
     with pytest.raises(SystemExit, match="are not .*test.parquet"):  # a test set the pool does not begin with
         bench.arith_validation(tmp_path, other)
+
+
+def test_the_old_recipes_section_draws_the_seeds_curves_only_where_records_kept_them(tmp_path):
+    work, page_dir = tmp_path / "work", tmp_path / "learning_smollm2"
+    _run_dir(work, "arith_s3", [0.1, 0.2, 0.3, 0.4])
+    kinds = {"1-digit + 1-digit": [9, 16]}
+    old = bench.run_record(work, "arith_s3", 3, _eval(0.2, 69.0), _eval(0.26, 10.0), 100.0, 4, kinds, kinds)
+    old.pop("curves")  # a record from before the records kept curves (issue 26's seeds 1 and 2)
+    assert not any("arith_seeds" in line for line in bench.arith_train_section([old], page_dir))
+    new = bench.run_record(work, "arith_s3", 3, _eval(0.2, 69.0), _eval(0.26, 10.0), 100.0, 4, kinds, kinds)
+    lines = bench.arith_train_section([old, new], page_dir)
+    assert "![arith_seeds](learning_smollm2/arith_seeds.png)" in lines
+    assert (page_dir / "arith_seeds.png").stat().st_size > 1000
